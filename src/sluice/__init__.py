@@ -1,0 +1,3 @@
+"""sluice: a streaming-first LLM server."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,479 @@
+"""The engine: one thread that owns the model runner, its KV cache and the slots.
+
+Everyone else talks to it through commands on a thread-safe queue (add,
+abort, stop); events go back to each request's sink, delivered once per step.
+
+Example::
+
+    engine = Engine(runner, EngineConfig(n_parallel=4, max_queue=16))
+    engine.start()
+    handle = engine.submit([EngineRequest(prompt_tokens=toks, max_tokens=16)], sink)
+    ...
+    engine.abort(handle)   # client went away: freed within one step
+    engine.stop()
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from sluice.engine.runner import BatchEntry, DecodeError, ModelRunner, Sampler
+from sluice.engine.scheduler import Planned, SlotView, plan_batch
+from sluice.engine.text import Ready, SequenceText, Utf8Assembler
+from sluice.engine.types import EngineRequest, EventSink, SlotState
+from sluice.errors import (
+    ContextOverflow,
+    EngineFailure,
+    InvalidRequest,
+    ServerBusy,
+    ShuttingDown,
+)
+from sluice.events import (
+    ErrorEvent,
+    Event,
+    Finish,
+    FinishReason,
+    Progress,
+    TextDelta,
+    TokenLogprob,
+    Usage,
+)
+
+log = logging.getLogger("sluice.engine")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    n_parallel: int = 4
+    max_queue: int = 16
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot published by the engine thread after every step."""
+
+    slots: int
+    active: int
+    queued: int
+    prefilling: int
+    generating: int
+    steps: int
+    tokens_generated: int
+    prompt_tokens_processed: int
+    cached_tokens: int
+
+
+@dataclass(slots=True)
+class _Work:
+    """One sequence's lifetime in the engine, queued or in a slot."""
+
+    req: EngineRequest
+    sink: EventSink
+    sampler: Sampler
+    key: int
+    text: SequenceText
+    submitted: float
+    admitted_order: int = 0
+    prompt_done: int = 0  # prompt tokens already in the KV cache
+    cached: int = 0  # of those, reused from an earlier request
+    generated: int = 0
+    next_token: int | None = None  # sampled, still to be decoded
+    t_admit: float = 0.0
+    t_first: float = 0.0
+    echo_utf8: Utf8Assembler = field(default_factory=Utf8Assembler)
+
+
+@dataclass(slots=True)
+class _Slot:
+    seq: int
+    state: SlotState = SlotState.IDLE
+    cache: list[int] = field(default_factory=list)  # tokens whose KV is cached
+    work: _Work | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Add:
+    works: list[_Work]
+
+
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    keys: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _Stop:
+    pass
+
+
+class EngineHandle:
+    """What :meth:`Engine.submit` returns: pass it to :meth:`Engine.abort`."""
+
+    __slots__ = ("keys",)
+
+    def __init__(self, keys: tuple[int, ...]) -> None:
+        self.keys = keys
+
+
+class Engine:
+    """Continuous batching over a :class:`ModelRunner`: one decode per step."""
+
+    def __init__(self, runner: ModelRunner, config: EngineConfig) -> None:
+        self.runner = runner
+        self.config = config
+        n_slots = min(config.n_parallel, runner.n_seq_max)
+        self._slots = [_Slot(seq) for seq in range(n_slots)]
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
+        self._waiting: deque[_Work] = deque()
+        self._keys = itertools.count(1)
+        self._admissions = itertools.count()
+        self._capacity_lock = threading.Lock()
+        self._in_flight = 0
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._counters = {"steps": 0, "generated": 0, "prompt": 0, "cached": 0}
+        self.stats = self._snapshot()
+
+    # -- public API, any thread ---------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        return len(self._slots) + self.config.max_queue
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="sluice-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """End all work (in-flight requests get a ShuttingDown error) and join."""
+        self._stopping = True
+        self._commands.put(_Stop())
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def check_prompt(self, n_prompt: int) -> None:
+        """Raise :class:`ContextOverflow` unless a prompt leaves room for a token."""
+        if n_prompt >= self.runner.n_ctx_seq:
+            raise ContextOverflow(prompt_tokens=n_prompt, n_ctx=self.runner.n_ctx_seq)
+        if n_prompt == 0:
+            raise InvalidRequest("The prompt is empty.", param="prompt")
+
+    def submit(self, requests: list[EngineRequest], sink: EventSink) -> EngineHandle:
+        """Queue sequences (all or none). Raises before anything is queued.
+
+        Validation happens here, in the caller's thread, so that every error
+        knowable before the first byte is raised before the response starts.
+        """
+        if self._stopping:
+            raise ShuttingDown("The server is shutting down.")
+        for req in requests:
+            self.check_prompt(len(req.prompt_tokens))
+        with self._capacity_lock:
+            if self._in_flight + len(requests) > self.capacity:
+                raise ServerBusy(
+                    f"All {len(self._slots)} slots and {self.config.max_queue} queue places "
+                    "are taken; retry shortly.",
+                )
+            self._in_flight += len(requests)
+        works: list[_Work] = []
+        try:
+            now = time.monotonic()
+            for req in requests:
+                sampler = self.runner.new_sampler(req.sampling, req.prompt_tokens)
+                works.append(
+                    _Work(req, sink, sampler, next(self._keys),
+                          SequenceText(req.stop, req.logprobs is not None), now)
+                )
+        except Exception:
+            for work in works:
+                self.runner.free_sampler(work.sampler)
+            self._release_capacity(len(requests))
+            raise
+        self._commands.put(_Add(works))
+        return EngineHandle(tuple(w.key for w in works))
+
+    def abort(self, handle: EngineHandle) -> None:
+        """Drop these sequences wherever they are; their slots free in one step."""
+        self._commands.put(_Abort(handle.keys))
+
+    # -- engine thread --------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                busy = any(s.state is not SlotState.IDLE for s in self._slots) or self._waiting
+                # 1. Commands: block only when there is nothing to compute.
+                if not self._drain(block=not busy):
+                    break
+                # 2. Admit queued work into idle slots (prefix-cache aware).
+                self._admit()
+                # 3. One decode over every active sequence, then sample.
+                self._step()
+                self.stats = self._snapshot()
+        except Exception as exc:  # pragma: no cover - last-resort guard
+            log.exception("engine thread crashed")
+            self._fail_all(EngineFailure(f"The engine stopped: {exc}"))
+        else:
+            self._fail_all(ShuttingDown("The server is shutting down."))
+        finally:
+            self.stats = self._snapshot()
+
+    def _drain(self, *, block: bool) -> bool:
+        """Apply pending commands; False once told to stop."""
+        try:
+            cmd = self._commands.get(block=block)
+        except queue.Empty:
+            return True
+        while True:
+            if isinstance(cmd, _Stop):
+                return False
+            if isinstance(cmd, _Add):
+                self._waiting.extend(cmd.works)
+            else:
+                self._abort_keys(set(cmd.keys))
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _abort_keys(self, keys: set[int]) -> None:
+        for work in [w for w in self._waiting if w.key in keys]:
+            self._waiting.remove(work)
+            self._retire(work)
+        for slot in self._slots:
+            if slot.work is not None and slot.work.key in keys:
+                self._free_slot(slot)
+
+    def _admit(self) -> None:
+        while self._waiting:
+            idle = [s for s in self._slots if s.state is SlotState.IDLE]
+            if not idle:
+                return
+            work = self._waiting.popleft()
+            prompt = work.req.prompt_tokens
+            slot = max(idle, key=lambda s: (_common_prefix(s.cache, prompt), -len(s.cache)))
+            # Reuse the cached prefix, but always leave at least one prompt token
+            # to decode: its logits give the first sampled token.
+            want = 0 if (work.req.echo and work.req.logprobs is not None) else min(
+                _common_prefix(slot.cache, prompt), len(prompt) - 1
+            )
+            kept = self.runner.keep_prefix(slot.seq, want)
+            slot.cache = prompt[:kept]
+            work.prompt_done = work.cached = kept
+            work.admitted_order = next(self._admissions)
+            work.t_admit = time.monotonic()
+            slot.work = work
+            slot.state = SlotState.PREFILLING
+            self._counters["cached"] += kept
+
+    def _step(self) -> None:
+        views = [
+            SlotView(
+                s.seq,
+                s.state,
+                len(s.work.req.prompt_tokens) - s.work.prompt_done if s.work else 0,
+                s.work.admitted_order if s.work else 0,
+            )
+            for s in self._slots
+        ]
+        plan = plan_batch(views, self.runner.n_batch)
+        if not plan:
+            return
+        entries, rows = self._build_batch(plan)
+        try:
+            self.runner.decode(entries)
+        except DecodeError as exc:
+            log.error("decode failed: %s", exc)
+            for p in plan:
+                self._fail_slot(self._slots[p.seq], EngineFailure(f"Decoding failed: {exc}"))
+            return
+        self._counters["steps"] += 1
+        outbox: dict[int, tuple[EventSink, list[Event]]] = {}
+        for p, entry, row in zip(plan, entries, rows):
+            self._after_decode(self._slots[p.seq], p, entry, row, outbox)
+        for sink, events in outbox.values():
+            _deliver(sink, events)
+
+    def _build_batch(self, plan: list[Planned]) -> tuple[list[BatchEntry], list[int]]:
+        entries: list[BatchEntry] = []
+        rows: list[int] = []
+        offset = 0
+        for p in plan:
+            slot = self._slots[p.seq]
+            work = slot.work
+            assert work is not None
+            if p.prefill:
+                start = work.prompt_done
+                tokens = work.req.prompt_tokens[start : start + p.n_tokens]
+                last = start + p.n_tokens == len(work.req.prompt_tokens)
+                logits_all = work.req.echo and work.req.logprobs is not None
+                entries.append(BatchEntry(slot.seq, tokens, start, last, logits_all))
+            else:
+                assert work.next_token is not None
+                tokens = [work.next_token]
+                entries.append(BatchEntry(slot.seq, tokens, len(slot.cache), True))
+            offset += len(tokens)
+            rows.append(offset - 1)
+        return entries, rows
+
+    def _after_decode(
+        self,
+        slot: _Slot,
+        p: Planned,
+        entry: BatchEntry,
+        row: int,
+        outbox: dict[int, tuple[EventSink, list[Event]]],
+    ) -> None:
+        work = slot.work
+        assert work is not None
+        events = outbox.setdefault(work.key, (work.sink, []))[1]
+        slot.cache.extend(entry.tokens)
+        if p.prefill:
+            if entry.logits_all:
+                events.append(self._echo_logprobs(work, entry, row - len(entry.tokens) + 1))
+            work.prompt_done += p.n_tokens
+            self._counters["prompt"] += p.n_tokens
+            total = len(work.req.prompt_tokens)
+            events.append(
+                Progress(work.req.choice, "prompt_processing", work.prompt_done, total, work.cached)
+            )
+            if work.prompt_done < total:
+                return
+            slot.state = SlotState.GENERATING
+            work.t_first = time.monotonic()
+        self._sample(slot, work, row, events)
+
+    def _sample(self, slot: _Slot, work: _Work, row: int, events: list[Event]) -> None:
+        runner = self.runner
+        req = work.req
+        token = runner.sample(work.sampler, row)
+        work.generated += 1
+        self._counters["generated"] += 1
+        reason: FinishReason | None = None
+        stop_hit: str | None = None
+        if runner.is_eog(token) and not req.sampling.ignore_eos:
+            reason = "stop"
+        else:
+            lp = runner.logprobs(row, token, req.logprobs) if req.logprobs is not None else None
+            ready, stop_hit = work.text.feed_token(runner.token_bytes(token), lp)
+            self._emit_text(work, ready, events)
+            if stop_hit is not None:
+                reason = "stop"
+            elif req.max_tokens is not None and work.generated >= req.max_tokens:
+                reason = "length"
+            elif len(slot.cache) + 1 >= runner.n_ctx_seq:
+                reason = "length"
+        if reason is None:
+            work.next_token = token
+            return
+        if stop_hit is None:
+            self._emit_text(work, work.text.flush(), events)
+        events.append(Finish(req.choice, reason, self._usage(work), stop_hit))
+        self._free_slot(slot)
+
+    def _emit_text(self, work: _Work, ready: Ready | None, events: list[Event]) -> None:
+        if ready is None:
+            return
+        lps = tuple(ready.logprobs) if ready.logprobs is not None else None
+        events.append(TextDelta(work.req.choice, ready.text, ready.tokens, lps))
+
+    def _echo_logprobs(self, work: _Work, entry: BatchEntry, first_row: int) -> TextDelta:
+        """Prompt tokens with their logprobs (text completions with echo + logprobs).
+
+        Row i of a chunk predicts the prompt token after it, so a chunk at
+        ``pos0`` reports the tokens ``pos0+1 .. pos0+len`` (and token 0, which
+        has no logprob, in the first chunk).
+        """
+        runner = self.runner
+        prompt = work.req.prompt_tokens
+        lps: list[TokenLogprob] = []
+        if entry.pos0 == 0:
+            piece = runner.token_bytes(prompt[0])
+            lps.append(TokenLogprob(piece.decode("utf-8", "replace"), prompt[0], None, tuple(piece)))
+        for i in range(len(entry.tokens)):
+            pos = entry.pos0 + i + 1
+            if pos >= len(prompt):
+                break
+            lps.append(runner.logprobs(first_row + i, prompt[pos], work.req.logprobs or 0))
+        text = work.echo_utf8.feed(b"".join(runner.token_bytes(lp.token_id) for lp in lps))
+        return TextDelta(work.req.choice, text, 0, tuple(lps), echo=True)
+
+    def _usage(self, work: _Work) -> Usage:
+        now = time.monotonic()
+        return Usage(
+            work.req.choice,
+            prompt_tokens=len(work.req.prompt_tokens),
+            completion_tokens=work.generated,
+            cached_tokens=work.cached,
+            prompt_ms=(work.t_first - work.t_admit) * 1000 if work.t_first else 0.0,
+            generation_ms=(now - work.t_first) * 1000 if work.t_first else 0.0,
+        )
+
+    def _free_slot(self, slot: _Slot) -> None:
+        work = slot.work
+        slot.work = None
+        slot.state = SlotState.IDLE
+        if work is not None:
+            self._retire(work)
+
+    def _retire(self, work: _Work) -> None:
+        self.runner.free_sampler(work.sampler)
+        self._release_capacity(1)
+
+    def _release_capacity(self, n: int) -> None:
+        with self._capacity_lock:
+            self._in_flight -= n
+
+    def _fail_slot(self, slot: _Slot, error: Exception) -> None:
+        work = slot.work
+        if work is None:
+            return
+        # The KV cache of a failed sequence is unknown: forget it.
+        self.runner.keep_prefix(slot.seq, 0)
+        slot.cache = []
+        _deliver(work.sink, [ErrorEvent(error)])
+        self._free_slot(slot)
+
+    def _fail_all(self, error: Exception) -> None:
+        for slot in self._slots:
+            self._fail_slot(slot, error)
+        while self._waiting:
+            work = self._waiting.popleft()
+            _deliver(work.sink, [ErrorEvent(error)])
+            self._retire(work)
+
+    def _snapshot(self) -> EngineStats:
+        states = [s.state for s in self._slots]
+        prefilling = states.count(SlotState.PREFILLING)
+        generating = states.count(SlotState.GENERATING)
+        return EngineStats(
+            slots=len(self._slots),
+            active=prefilling + generating,
+            queued=len(self._waiting),
+            prefilling=prefilling,
+            generating=generating,
+            steps=self._counters["steps"],
+            tokens_generated=self._counters["generated"],
+            prompt_tokens_processed=self._counters["prompt"],
+            cached_tokens=self._counters["cached"],
+        )
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _deliver(sink: EventSink, events: list[Event]) -> None:
+    if events:
+        sink.put_many(events)

@@ -1,0 +1,312 @@
+"""The real model runner: llama.cpp through llama-cpp-python's low-level API.
+
+This is the only module that touches the bindings. One context holds
+``n_parallel`` sequences, each with its own KV stream of ``n_ctx`` tokens
+(``kv_unified=False``: a sequence attends only to its own cells, which is
+measurably faster for a batch of unrelated sequences than one shared buffer).
+
+Example::
+
+    runner = LlamaRunner.load(LlamaRunnerConfig(model_path="model.gguf", n_parallel=4))
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sluice.engine.runner import BatchEntry, DecodeError, ModelInfo
+from sluice.engine.types import SamplingParams
+from sluice.errors import EngineFailure, InvalidRequest
+from sluice.events import TokenLogprob, TopLogprob
+
+log = logging.getLogger("sluice.llama")
+
+_backend_lock = threading.Lock()
+_backend_ready = False
+_log_callback: Any = None  # kept alive for the life of the process
+
+_DEFAULT_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: a random seed per sampler
+
+
+def _llama() -> Any:
+    import llama_cpp
+
+    return llama_cpp
+
+
+def _init_backend() -> None:
+    """Initialise llama.cpp once per process and route its log to ``logging``."""
+    global _backend_ready, _log_callback
+    with _backend_lock:
+        if _backend_ready:
+            return
+        L = _llama()
+        levels = {2: logging.DEBUG, 3: logging.WARNING, 4: logging.ERROR}
+
+        def forward(level: int, text: bytes, _user: Any) -> None:
+            py_level = levels.get(level, logging.DEBUG)
+            if log.isEnabledFor(py_level):
+                log.log(py_level, "%s", text.decode("utf-8", "replace").rstrip())
+
+        _log_callback = L.llama_log_callback(forward)
+        L.llama_log_set(_log_callback, ctypes.c_void_p(0))
+        L.llama_backend_init()
+        info = L.llama_print_system_info().decode()
+        if "AMX_INT8 = 1" in info:
+            log.warning(
+                "this llama-cpp-python build has AMX kernels, which are known to crash on "
+                "some quantizations; reinstall it with CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX2=ON' "
+                "(see README) if decoding segfaults"
+            )
+        _backend_ready = True
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaRunnerConfig:
+    model_path: str
+    model_id: str = ""
+    n_parallel: int = 4
+    n_ctx: int = 4096  # per sequence
+    n_batch: int = 512
+    n_threads: int = 0  # 0: all cores
+    chat_template: str | None = None  # overrides the GGUF's own
+
+
+class _Chain:
+    """A sampler chain handle (a pointer owned by llama.cpp)."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: Any) -> None:
+        self.ptr = ptr
+
+
+class LlamaRunner:
+    """A :class:`~sluice.engine.runner.ModelRunner` on llama.cpp."""
+
+    def __init__(self, config: LlamaRunnerConfig, model: Any, ctx: Any) -> None:
+        L = _llama()
+        self._L = L
+        self.config = config
+        self._model = model
+        self._ctx = ctx
+        self._vocab = L.llama_model_get_vocab(model)
+        self._mem = L.llama_get_memory(ctx)
+        self.n_vocab = L.llama_vocab_n_tokens(self._vocab)
+        self.n_ctx_seq = int(L.llama_n_ctx_seq(ctx))
+        self.n_seq_max = int(L.llama_n_seq_max(ctx))
+        self.n_batch = int(L.llama_n_batch(ctx))
+        self._batch = L.llama_batch_init(self.n_batch, 0, 1)
+        self._piece_buf = ctypes.create_string_buffer(256)
+        self._pieces: dict[int, bytes] = {}
+        self._eog = [t for t in range(self.n_vocab) if L.llama_vocab_is_eog(self._vocab, t)]
+        self._eog_set = frozenset(self._eog)
+        self.info = self._read_info()
+
+    # -- loading -------------------------------------------------------------
+
+    @classmethod
+    def load(cls, config: LlamaRunnerConfig) -> LlamaRunner:
+        _init_backend()
+        L = _llama()
+        path = Path(config.model_path)
+        if not path.is_file():
+            raise EngineFailure(f"Model file not found: {path}")
+        mparams = L.llama_model_default_params()
+        model = L.llama_model_load_from_file(str(path).encode(), mparams)
+        if not model:
+            raise EngineFailure(f"llama.cpp could not load the model {path}")
+        threads = config.n_threads or os.cpu_count() or 1
+        cparams = L.llama_context_default_params()
+        cparams.n_ctx = config.n_ctx * config.n_parallel
+        cparams.n_seq_max = config.n_parallel
+        cparams.n_batch = config.n_batch
+        cparams.n_ubatch = config.n_batch
+        cparams.n_threads = threads
+        cparams.n_threads_batch = threads
+        cparams.kv_unified = False
+        cparams.no_perf = True
+        ctx = L.llama_init_from_model(model, cparams)
+        if not ctx:
+            L.llama_model_free(model)
+            raise EngineFailure("llama.cpp could not create a context (out of memory?)")
+        return cls(config, model, ctx)
+
+    def _read_info(self) -> ModelInfo:
+        L = self._L
+        buf = ctypes.create_string_buffer(512)
+        n = L.llama_model_desc(self._model, buf, len(buf))
+        template = self.config.chat_template
+        if template is None:
+            raw = L.llama_model_chat_template(self._model, None)
+            template = raw.decode("utf-8", "replace") if raw else None
+        path = Path(self.config.model_path)
+        return ModelInfo(
+            id=self.config.model_id or path.stem,
+            path=str(path),
+            n_ctx_train=int(L.llama_model_n_ctx_train(self._model)),
+            n_params=int(L.llama_model_n_params(self._model)),
+            size_bytes=int(L.llama_model_size(self._model)),
+            description=buf.raw[: max(n, 0)].decode("utf-8", "replace"),
+            chat_template=template,
+            bos_token=self._special_text(L.llama_vocab_bos(self._vocab)),
+            eos_token=self._special_text(L.llama_vocab_eos(self._vocab)),
+            add_bos=bool(L.llama_vocab_get_add_bos(self._vocab)),
+        )
+
+    def _special_text(self, token: int) -> str:
+        if token < 0:
+            return ""
+        n = self._L.llama_token_to_piece(self._vocab, token, self._piece_buf, 256, 0, True)
+        return self._piece_buf.raw[: max(n, 0)].decode("utf-8", "replace")
+
+    # -- any thread (read-only model data) -----------------------------------
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        arr = (self._L.llama_token * cap)()
+        n = self._L.llama_tokenize(self._vocab, data, len(data), arr, cap, add_special, parse_special)
+        if n < 0:  # buffer too small: -n is the size needed
+            cap = -n
+            arr = (self._L.llama_token * cap)()
+            n = self._L.llama_tokenize(
+                self._vocab, data, len(data), arr, cap, add_special, parse_special
+            )
+        return list(arr[:n])
+
+    def token_bytes(self, token: int) -> bytes:
+        piece = self._pieces.get(token)
+        if piece is None:
+            buf = ctypes.create_string_buffer(256)
+            n = self._L.llama_token_to_piece(self._vocab, token, buf, 256, 0, False)
+            piece = buf.raw[: max(n, 0)]
+            self._pieces[token] = piece
+        return piece
+
+    def is_eog(self, token: int) -> bool:
+        return token in self._eog_set
+
+    def valid_token(self, token: int) -> bool:
+        return 0 <= token < self.n_vocab
+
+    def new_sampler(self, params: SamplingParams, prompt: list[int]) -> _Chain:
+        """Build the chain llama.cpp's own server uses, in the same order."""
+        L = self._L
+        for token, _bias in params.logit_bias:
+            if not self.valid_token(token):
+                raise InvalidRequest(f"logit_bias token id {token} is out of range", param="logit_bias")
+        chain_params = L.llama_sampler_chain_default_params()
+        chain_params.no_perf = True
+        chain = L.llama_sampler_chain_init(chain_params)
+        biases = list(params.logit_bias)
+        if params.ignore_eos:
+            biases += [(t, float("-inf")) for t in self._eog]
+        if biases:
+            arr = (L.llama_logit_bias * len(biases))()
+            for i, (token, bias) in enumerate(biases):
+                arr[i].token = token
+                arr[i].bias = bias
+            L.llama_sampler_chain_add(chain, L.llama_sampler_init_logit_bias(self.n_vocab, len(biases), arr))
+        if params.uses_penalties:
+            penalties = L.llama_sampler_init_penalties(
+                params.penalty_last_n,
+                params.repeat_penalty,
+                params.frequency_penalty,
+                params.presence_penalty,
+            )
+            # Penalties see the prompt too, as in llama.cpp's server.
+            for token in prompt[-params.penalty_last_n :] if params.penalty_last_n > 0 else prompt:
+                L.llama_sampler_accept(penalties, token)
+            L.llama_sampler_chain_add(chain, penalties)
+        if params.temperature <= 0:
+            L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
+        else:
+            if params.top_k > 0:
+                L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_k(params.top_k))
+            if params.top_p < 1.0:
+                L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_p(params.top_p, 1))
+            if params.min_p > 0.0:
+                L.llama_sampler_chain_add(chain, L.llama_sampler_init_min_p(params.min_p, 1))
+            L.llama_sampler_chain_add(chain, L.llama_sampler_init_temp(params.temperature))
+            seed = _DEFAULT_SEED if params.seed is None else params.seed & 0xFFFFFFFF
+            L.llama_sampler_chain_add(chain, L.llama_sampler_init_dist(seed))
+        return _Chain(chain)
+
+    def free_sampler(self, sampler: Any) -> None:
+        assert isinstance(sampler, _Chain)
+        if sampler.ptr:
+            self._L.llama_sampler_free(sampler.ptr)
+            sampler.ptr = None
+
+    # -- engine thread only --------------------------------------------------
+
+    def keep_prefix(self, seq: int, n_keep: int) -> int:
+        L = self._L
+        if n_keep > 0 and L.llama_memory_seq_rm(self._mem, seq, n_keep, -1):
+            return n_keep
+        # Partial removal is not possible on every cache (SWA, recurrent): start over.
+        L.llama_memory_seq_rm(self._mem, seq, -1, -1)
+        return 0
+
+    def decode(self, entries: list[BatchEntry]) -> None:
+        batch = self._batch
+        token, pos, n_seq_id, seq_id, logits = (
+            batch.token, batch.pos, batch.n_seq_id, batch.seq_id, batch.logits,
+        )
+        i = 0
+        for entry in entries:
+            seq = entry.seq
+            p = entry.pos0
+            last = len(entry.tokens) - 1
+            want_all = entry.logits_all
+            for j, t in enumerate(entry.tokens):
+                token[i] = t
+                pos[i] = p + j
+                n_seq_id[i] = 1
+                seq_id[i][0] = seq
+                logits[i] = want_all or (j == last and entry.logits_last)
+                i += 1
+        batch.n_tokens = i
+        rc = self._L.llama_decode(self._ctx, batch)
+        if rc != 0:
+            raise DecodeError(f"llama_decode returned {rc}")
+
+    def sample(self, sampler: Any, row: int) -> int:
+        return int(self._L.llama_sampler_sample(sampler.ptr, self._ctx, row))
+
+    def logprobs(self, row: int, token: int, top_n: int) -> TokenLogprob:
+        ptr = self._L.llama_get_logits_ith(self._ctx, row)
+        logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+        peak = float(logits.max())
+        logz = peak + float(np.log(np.exp(logits - peak, dtype=np.float64).sum()))
+        top: tuple[TopLogprob, ...] = ()
+        if top_n > 0:
+            ids = np.argpartition(-logits, top_n - 1)[:top_n]
+            ids = ids[np.argsort(-logits[ids], kind="stable")]
+            top = tuple(self._top(int(t), float(logits[t]) - logz) for t in ids)
+        piece = self.token_bytes(token)
+        return TokenLogprob(
+            piece.decode("utf-8", "replace"), token, float(logits[token]) - logz, tuple(piece), top
+        )
+
+    def _top(self, token: int, logprob: float) -> TopLogprob:
+        piece = self.token_bytes(token)
+        return TopLogprob(piece.decode("utf-8", "replace"), logprob, tuple(piece))
+
+    def close(self) -> None:
+        L = self._L
+        if self._ctx:
+            L.llama_batch_free(self._batch)
+            L.llama_free(self._ctx)
+            L.llama_model_free(self._model)
+            self._ctx = None
+            self._model = None

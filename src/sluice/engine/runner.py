@@ -1,0 +1,87 @@
+"""The seam between the engine loop and a model: :class:`ModelRunner`.
+
+The engine loop (scheduling, slots, text, stop strings, cancellation) is the
+same for the real llama.cpp runner and for the scripted runner the tests use,
+so every boundary case the tests script runs through the real loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from sluice.engine.types import SamplingParams
+from sluice.events import TokenLogprob
+
+
+@dataclass(frozen=True, slots=True)
+class BatchEntry:
+    """A run of tokens of one sequence in one decode, at positions pos0.."""
+
+    seq: int
+    tokens: list[int]
+    pos0: int
+    logits_last: bool = True  # compute logits for the last token
+    logits_all: bool = False  # compute logits for every token (echo + logprobs)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    id: str
+    path: str
+    n_ctx_train: int
+    n_params: int
+    size_bytes: int
+    description: str
+    chat_template: str | None
+    bos_token: str
+    eos_token: str
+    add_bos: bool
+
+
+class DecodeError(Exception):
+    """``llama_decode`` failed for a whole batch."""
+
+
+class Sampler(Protocol):
+    """An opaque, per-request sampler chain."""
+
+
+class ModelRunner(Protocol):
+    """Everything the engine loop needs from a model.
+
+    Only the engine thread calls :meth:`decode`, :meth:`sample`,
+    :meth:`logprobs` and :meth:`keep_prefix`; ``tokenize``, ``token_bytes``
+    and ``new_sampler`` read immutable model data and are safe from any thread.
+    """
+
+    info: ModelInfo
+    n_ctx_seq: int  # context per sequence
+    n_seq_max: int  # number of sequences (slots) the context holds
+    n_batch: int  # max tokens per decode
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]: ...
+
+    def token_bytes(self, token: int) -> bytes: ...
+
+    def is_eog(self, token: int) -> bool: ...
+
+    def new_sampler(self, params: SamplingParams, prompt: list[int]) -> Sampler: ...
+
+    def free_sampler(self, sampler: Sampler) -> None: ...
+
+    def keep_prefix(self, seq: int, n_keep: int) -> int:
+        """Drop a sequence's cached positions from ``n_keep`` on; returns how many remain."""
+        ...
+
+    def decode(self, entries: list[BatchEntry]) -> None:
+        """One forward pass over all entries; raises :class:`DecodeError`."""
+        ...
+
+    def sample(self, sampler: Sampler, row: int) -> int:
+        """Sample from the logits of batch row ``row`` of the last decode."""
+        ...
+
+    def logprobs(self, row: int, token: int, top_n: int) -> TokenLogprob: ...
+
+    def close(self) -> None: ...

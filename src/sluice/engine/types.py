@@ -1,0 +1,77 @@
+"""Plain engine-side structs: what a request asks of the engine.
+
+These are dataclasses, not wire models: the serving layer converts a
+validated OpenAI request into an :class:`EngineRequest`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from sluice.events import Event
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request sampler chain settings (llama.cpp semantics).
+
+    ``temperature <= 0`` means greedy. ``seed is None`` means random.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    penalty_last_n: int = 64
+    seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.repeat_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """One sequence to generate. A response with n choices submits n of these.
+
+    Example::
+
+        EngineRequest(prompt_tokens=[1, 2, 3], max_tokens=16, stop=("\\n",))
+    """
+
+    prompt_tokens: list[int]
+    max_tokens: int | None = None  # None: until EOS or the end of the context
+    stop: tuple[str, ...] = ()
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    logprobs: int | None = None  # number of top alternatives; None = no logprobs
+    echo: bool = False  # send the prompt back as text (text completions)
+    choice: int = 0
+    request_id: str = ""
+
+
+class SlotState(enum.Enum):
+    IDLE = "idle"
+    PREFILLING = "prefilling"
+    GENERATING = "generating"
+    FINISHED = "finished"
+
+
+class EventSink(Protocol):
+    """Where the engine thread delivers a request's events (thread-safe).
+
+    Called once per engine step with everything that step produced for the
+    request, so a busy batch costs one cross-thread wake-up per request.
+    """
+
+    def put_many(self, events: list[Event]) -> None: ...

@@ -1,0 +1,156 @@
+"""The exception tree and the one table that maps it to the wire.
+
+Errors are raised at their source as typed exceptions and translated at the
+boundaries (HTTP status before the first byte, an in-band ``event: error``
+frame after it). Nothing matches on message text.
+
+Example::
+
+    raise ContextOverflow(prompt_tokens=5000, n_ctx=4096)
+    # -> 400, type "invalid_request_error", code "context_length_exceeded"
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+class SluiceError(Exception):
+    """Base of every error sluice reports to a client."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def headers(self) -> dict[str, str]:
+        """Extra response headers this error carries (e.g. ``Retry-After``)."""
+        return {}
+
+
+class InvalidRequest(SluiceError):
+    """The request is malformed or asks for something impossible."""
+
+
+class UnsupportedParameter(InvalidRequest):
+    """A known OpenAI field that sluice does not implement (yet)."""
+
+    def __init__(self, param: str, why: str = "is not supported by this server") -> None:
+        super().__init__(f"'{param}' {why}", param=param)
+
+
+class ContextOverflow(InvalidRequest):
+    """The prompt does not fit the model's context window."""
+
+    def __init__(self, prompt_tokens: int, n_ctx: int) -> None:
+        super().__init__(
+            f"This model's maximum context length is {n_ctx} tokens, "
+            f"but the prompt is {prompt_tokens} tokens. Shorten the prompt.",
+            param="messages",
+        )
+        self.prompt_tokens = prompt_tokens
+        self.n_ctx = n_ctx
+
+
+class TemplateError(InvalidRequest):
+    """The chat template failed to render these messages."""
+
+
+class MissingChatTemplate(InvalidRequest):
+    """Chat was asked of a model that has no chat template."""
+
+
+class BodyTooLarge(SluiceError):
+    """The request body is over the configured limit."""
+
+
+class AuthenticationFailed(SluiceError):
+    """Missing or wrong API key."""
+
+
+class ModelNotFound(SluiceError):
+    """The requested model is not served here."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"The model '{model}' does not exist or is not served here.", param="model")
+
+
+class NotFound(SluiceError):
+    """No such route or resource."""
+
+
+class ServerBusy(SluiceError):
+    """All slots and the queue are full: retry later."""
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after)}
+
+
+class ShuttingDown(SluiceError):
+    """The server is stopping; in-flight work is ended."""
+
+
+class EngineFailure(SluiceError):
+    """The inference engine failed (decode error, model load error)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorSpec:
+    status: int
+    type: str
+    code: str | None
+
+
+# The one table: the most specific class in an error's MRO wins.
+_TABLE: dict[type[SluiceError], ErrorSpec] = {
+    SluiceError: ErrorSpec(500, "server_error", "internal_error"),
+    InvalidRequest: ErrorSpec(400, "invalid_request_error", "invalid_request"),
+    UnsupportedParameter: ErrorSpec(400, "invalid_request_error", "unsupported_parameter"),
+    ContextOverflow: ErrorSpec(400, "invalid_request_error", "context_length_exceeded"),
+    TemplateError: ErrorSpec(400, "invalid_request_error", "template_error"),
+    MissingChatTemplate: ErrorSpec(400, "invalid_request_error", "missing_chat_template"),
+    BodyTooLarge: ErrorSpec(413, "invalid_request_error", "request_too_large"),
+    AuthenticationFailed: ErrorSpec(401, "authentication_error", "invalid_api_key"),
+    ModelNotFound: ErrorSpec(404, "invalid_request_error", "model_not_found"),
+    NotFound: ErrorSpec(404, "invalid_request_error", "not_found"),
+    ServerBusy: ErrorSpec(503, "server_error", "server_busy"),
+    ShuttingDown: ErrorSpec(503, "server_error", "shutting_down"),
+    EngineFailure: ErrorSpec(500, "server_error", "engine_error"),
+}
+
+
+def spec_for(error: SluiceError) -> ErrorSpec:
+    for cls in type(error).__mro__:
+        spec = _TABLE.get(cls)  # type: ignore[arg-type]
+        if spec is not None:
+            return spec
+    raise AssertionError("unreachable: SluiceError is in the table")
+
+
+def error_body(error: SluiceError) -> dict[str, Any]:
+    """The OpenAI error JSON, ``{"error": {...}}``, for an HTTP error response."""
+    spec = spec_for(error)
+    return {
+        "error": {
+            "message": error.message,
+            "type": spec.type,
+            "param": error.param,
+            "code": spec.code,
+        }
+    }
+
+
+def error_frame_payload(error: SluiceError) -> dict[str, Any]:
+    """The JSON of an in-stream ``event: error`` frame.
+
+    Carries both shapes at once: top-level ``message``/``type`` (spec 000)
+    and an ``error`` object (spec 001 and the official SDKs).
+    """
+    body = error_body(error)
+    inner = body["error"]
+    return {"message": inner["message"], "type": inner["type"], "code": inner["code"], **body}

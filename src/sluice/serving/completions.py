@@ -1,0 +1,243 @@
+"""The completion service: wire request -> validated engine requests -> event stream.
+
+Everything knowable before the first byte is checked in ``prepare_*`` and
+``open`` (model, fields, template, tokens, context, sampler, capacity), so a
+route can still answer with a real HTTP status when any of it fails.
+
+Example::
+
+    service = CompletionService(engine, template, settings)
+    gen = service.prepare_chat(ChatCompletionRequest.model_validate(body))
+    stream = service.open(gen)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from sluice.engine.engine import Engine
+from sluice.engine.types import EngineRequest
+from sluice.errors import InvalidRequest, ModelNotFound, UnsupportedParameter
+from sluice.protocol.openai import ChatCompletionRequest, ChatMessage, CompletionRequest
+from sluice.serving.formatters.openai import ResponseMeta
+from sluice.serving.stream import EventStream
+from sluice.serving.templates import ChatTemplate
+
+log = logging.getLogger("sluice.serving")
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceOptions:
+    strict_model_names: bool = False
+    default_max_tokens: int | None = None  # chat; None = until EOS or end of context
+
+
+@dataclass(slots=True)
+class Generation:
+    """A request that passed validation, ready to submit."""
+
+    meta: ResponseMeta
+    requests: list[EngineRequest]
+    echo_texts: dict[int, str] = field(default_factory=dict)
+
+
+class CompletionService:
+    """Chat and text completions on one local engine."""
+
+    def __init__(self, engine: Engine, template: ChatTemplate, options: ServiceOptions) -> None:
+        self.engine = engine
+        self.runner = engine.runner
+        self.template = template
+        self.options = options
+        self.model_id = self.runner.info.id
+
+    # -- models --------------------------------------------------------------
+
+    def resolve_model(self, requested: str | None) -> str:
+        """The served model id for a request's ``model`` field.
+
+        With one model served, any name selects it (as llama.cpp's server and
+        spec 000's examples, ``model="local-model"``, expect) unless strict
+        names are configured.
+        """
+        if requested is None or requested == self.model_id:
+            return self.model_id
+        if self.options.strict_model_names:
+            raise ModelNotFound(requested)
+        return self.model_id
+
+    def model_card(self) -> dict[str, Any]:
+        info = self.runner.info
+        return {
+            "id": info.id,
+            "object": "model",
+            "created": 0,
+            "owned_by": "sluice",
+            "meta": {
+                "n_ctx": self.runner.n_ctx_seq,
+                "n_ctx_train": info.n_ctx_train,
+                "n_params": info.n_params,
+                "size": info.size_bytes,
+                "description": info.description,
+                "chat_template": info.chat_template is not None,
+            },
+        }
+
+    # -- chat ----------------------------------------------------------------
+
+    def prepare_chat(self, body: ChatCompletionRequest) -> Generation:
+        _reject_unsupported_chat(body)
+        model = self.resolve_model(body.model)
+        messages = [_template_message(i, m) for i, m in enumerate(body.messages)]
+        extra = dict(body.chat_template_kwargs or {})
+        if body.reasoning_effort is not None:
+            extra.setdefault("reasoning_effort", body.reasoning_effort)
+        prompt_text = self.template.render(messages, extra=extra)
+        tokens = self._tokenize_prompt(prompt_text)
+        self.engine.check_prompt(len(tokens))
+        top_n = body.top_logprobs_n()
+        limit = body.token_limit()
+        if limit is None:
+            limit = self.options.default_max_tokens
+        sampling = body.sampling_params()
+        requests = [
+            EngineRequest(
+                prompt_tokens=tokens,
+                max_tokens=limit,
+                stop=body.stop_strings(),
+                sampling=_choice_seed(sampling, i),
+                logprobs=top_n,
+                choice=i,
+            )
+            for i in range(body.n)
+        ]
+        meta = ResponseMeta(
+            id=f"chatcmpl-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=model,
+            prompt_owners=frozenset({0}),
+            include_usage=body.include_usage,
+            continuous_usage=body.continuous_usage,
+            logprobs=top_n is not None,
+        )
+        return Generation(meta, requests)
+
+    # -- text ----------------------------------------------------------------
+
+    def prepare_text(self, body: CompletionRequest) -> Generation:
+        if body.suffix:
+            raise UnsupportedParameter("suffix", "(fill-in-the-middle) is not supported")
+        if body.best_of is not None and body.best_of != body.n:
+            raise UnsupportedParameter("best_of", "other than n is not supported")
+        model = self.resolve_model(body.model)
+        requests: list[EngineRequest] = []
+        echo_texts: dict[int, str] = {}
+        owners: set[int] = set()
+        sampling = body.sampling_params()
+        for p_index, prompt in enumerate(body.prompts()):
+            if isinstance(prompt, str):
+                tokens = self.runner.tokenize(prompt, add_special=True, parse_special=True)
+                text = prompt
+            else:
+                bad = [t for t in prompt if not 0 <= t < self.runner.n_vocab]  # type: ignore[attr-defined]
+                if bad:
+                    raise InvalidRequest(f"prompt token id {bad[0]} is out of range", param="prompt")
+                tokens = list(prompt)
+                text = b"".join(self.runner.token_bytes(t) for t in tokens).decode("utf-8", "replace")
+            self.engine.check_prompt(len(tokens))
+            for j in range(body.n):
+                choice = p_index * body.n + j
+                if j == 0:
+                    owners.add(choice)
+                with_lp_echo = body.echo and body.logprobs is not None
+                if body.echo and not with_lp_echo:
+                    echo_texts[choice] = text
+                requests.append(
+                    EngineRequest(
+                        prompt_tokens=tokens,
+                        max_tokens=body.max_tokens,
+                        stop=body.stop_strings(),
+                        sampling=_choice_seed(sampling, j),
+                        logprobs=body.logprobs,
+                        echo=with_lp_echo,
+                        choice=choice,
+                    )
+                )
+        meta = ResponseMeta(
+            id=f"cmpl-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=model,
+            prompt_owners=frozenset(owners),
+            include_usage=body.include_usage,
+            continuous_usage=body.continuous_usage,
+            logprobs=body.logprobs is not None,
+        )
+        return Generation(meta, requests, echo_texts)
+
+    # -- both ----------------------------------------------------------------
+
+    def open(self, gen: Generation) -> EventStream:
+        """Submit to the engine (capacity is checked here) and return the stream."""
+        return EventStream.open(self.engine, gen.requests, gen.echo_texts)
+
+    def _tokenize_prompt(self, text: str) -> list[int]:
+        info = self.runner.info
+        # A template that writes the BOS itself must not get a second one.
+        add_bos = info.add_bos and not (info.bos_token and text.startswith(info.bos_token))
+        return self.runner.tokenize(text, add_special=add_bos, parse_special=True)
+
+
+def _choice_seed(sampling: Any, index: int) -> Any:
+    """Distinct but reproducible seeds for the choices of one request."""
+    if index == 0 or sampling.seed is None:
+        return sampling
+    from dataclasses import replace
+
+    return replace(sampling, seed=sampling.seed + index)
+
+
+def _reject_unsupported_chat(body: ChatCompletionRequest) -> None:
+    if body.tools:
+        raise UnsupportedParameter("tools", "are not supported by this server yet")
+    if body.tool_choice not in (None, "none", "auto"):
+        raise UnsupportedParameter("tool_choice", "is not supported by this server yet")
+    if body.functions or body.function_call:
+        raise UnsupportedParameter("functions", "(the deprecated function-calling API) is not supported")
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        raise UnsupportedParameter("response_format", "other than 'text' is not supported yet")
+    if body.audio is not None or (body.modalities and set(body.modalities) - {"text"}):
+        raise UnsupportedParameter("modalities", "other than text are not supported")
+    if body.prediction is not None:
+        raise UnsupportedParameter("prediction", "(predicted outputs) is not supported")
+
+
+def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
+    """A wire message as the plain dict chat templates expect."""
+    content: str | None
+    if isinstance(message.content, list):
+        parts = []
+        for part in message.content:
+            if part.type != "text" or part.text is None:
+                raise UnsupportedParameter(
+                    f"messages[{index}].content", f"parts of type '{part.type}' are not supported"
+                )
+            parts.append(part.text)
+        content = "".join(parts)
+    else:
+        content = message.content
+    role = "system" if message.role == "developer" else message.role
+    out: dict[str, Any] = {"role": role, "content": content if content is not None else ""}
+    if message.name is not None:
+        out["name"] = message.name
+    if message.tool_calls:
+        out["tool_calls"] = [call.model_dump(exclude_none=True) for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    reasoning = message.reasoning_content or message.reasoning
+    if reasoning:
+        out["reasoning_content"] = reasoning
+    return out

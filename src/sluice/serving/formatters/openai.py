@@ -1,0 +1,176 @@
+"""OpenAI wire dialects: ``chat.completion.chunk`` and ``text_completion``.
+
+Pure: events in, frames out. The stream contract (spec 000):
+
+1. chat: a role frame per choice (after validation), then content frames
+   without ``role``, then a terminal ``delta: {}`` with ``finish_reason``;
+2. with ``stream_options.include_usage`` one ``choices: []`` usage chunk;
+3. ``data: [DONE]`` (added by the caller after :meth:`end`).
+
+Example::
+
+    fmt = ChatStreamFormatter(meta)
+    for event in events:
+        frames.extend(fmt.frames(event))
+    frames.extend(fmt.end())
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sluice.events import Event, Finish, Start, TextDelta, TokenLogprob
+from sluice.serving.formatters.base import Frame, UsageTotals
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseMeta:
+    """Per-response constants every chunk repeats (pitfall 1: one id, one created)."""
+
+    id: str
+    created: int
+    model: str
+    prompt_owners: frozenset[int]
+    include_usage: bool = False
+    continuous_usage: bool = False
+    logprobs: bool = False
+
+
+def chat_logprobs(lps: Sequence[TokenLogprob]) -> dict[str, Any]:
+    """The chat ``logprobs`` object: ``{"content": [...], "refusal": null}``."""
+    return {
+        "content": [
+            {
+                "token": lp.token,
+                "logprob": lp.logprob if lp.logprob is not None else 0.0,
+                "bytes": list(lp.bytes),
+                "top_logprobs": [
+                    {"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes)} for t in lp.top
+                ],
+            }
+            for lp in lps
+        ],
+        "refusal": None,
+    }
+
+
+def text_logprobs(lps: Sequence[TokenLogprob], offset: int) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` object, offsets counted from ``offset``."""
+    tokens: list[str] = []
+    offsets: list[int] = []
+    for lp in lps:
+        tokens.append(lp.token)
+        offsets.append(offset)
+        offset += len(lp.token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [
+            {t.token: t.logprob for t in lp.top} if lp.logprob is not None else None for lp in lps
+        ],
+        "text_offset": offsets,
+    }
+
+
+class _StreamFormatter:
+    object_name = ""
+
+    def __init__(self, meta: ResponseMeta) -> None:
+        self.meta = meta
+        self.usage = UsageTotals(meta.prompt_owners)
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> Frame:
+        body: dict[str, Any] = {
+            "id": self.meta.id,
+            "object": self.object_name,
+            "created": self.meta.created,
+            "model": self.meta.model,
+            "system_fingerprint": None,
+            "choices": choices,
+        }
+        if self.meta.continuous_usage:
+            body["usage"] = self.usage.as_dict()
+        return Frame(body)
+
+    def _account(self, event: Event) -> None:
+        if isinstance(event, Start):
+            self.usage.start(event.choice, event.prompt_tokens)
+        elif isinstance(event, TextDelta) and not event.echo:
+            self.usage.add_tokens(event.choice, event.token_count)
+        elif isinstance(event, Finish):
+            self.usage.finish(event)
+
+    def end(self) -> list[Frame]:
+        """Frames after the last choice finished (the usage chunk), before [DONE]."""
+        if not self.meta.include_usage:
+            return []
+        body = self._chunk([]).data
+        assert isinstance(body, dict)
+        body["usage"] = self.usage.as_dict()
+        return [Frame(body)]
+
+
+class ChatStreamFormatter(_StreamFormatter):
+    """Events -> ``chat.completion.chunk`` frames."""
+
+    object_name = "chat.completion.chunk"
+
+    def frames(self, event: Event) -> list[Frame]:
+        self._account(event)
+        if isinstance(event, Start):
+            return [self._choice(event.choice, {"role": "assistant"})]
+        if isinstance(event, TextDelta):
+            if not event.text and not event.logprobs:
+                return []  # never an empty content chunk (pitfall 4)
+            lps = chat_logprobs(event.logprobs) if self.meta.logprobs and event.logprobs else None
+            return [self._choice(event.choice, {"content": event.text}, logprobs=lps)]
+        if isinstance(event, Finish):
+            return [self._choice(event.choice, {}, finish=event.reason)]
+        return []
+
+    def _choice(
+        self,
+        index: int,
+        delta: dict[str, Any],
+        *,
+        logprobs: dict[str, Any] | None = None,
+        finish: str | None = None,
+    ) -> Frame:
+        return self._chunk(
+            [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]
+        )
+
+
+class TextStreamFormatter(_StreamFormatter):
+    """Events -> ``text_completion`` frames (logprobs in every chunk, spec 000)."""
+
+    object_name = "text_completion"
+
+    def __init__(self, meta: ResponseMeta) -> None:
+        super().__init__(meta)
+        self._offsets: dict[int, int] = {}
+
+    def frames(self, event: Event) -> list[Frame]:
+        self._account(event)
+        if isinstance(event, TextDelta):
+            if not event.text and not event.logprobs:
+                return []
+            offset = self._offsets.get(event.choice, 0)
+            lps = None
+            if self.meta.logprobs:
+                lps = text_logprobs(event.logprobs or (), offset)
+            self._offsets[event.choice] = offset + len(event.text)
+            return [self._choice(event.choice, event.text, lps, None)]
+        if isinstance(event, Finish):
+            lps = text_logprobs((), 0) if self.meta.logprobs else None
+            return [self._choice(event.choice, "", lps, event.reason)]
+        return []
+
+    def _choice(
+        self, index: int, text: str, logprobs: dict[str, Any] | None, finish: str | None
+    ) -> Frame:
+        return self._chunk(
+            [{"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish}]
+        )

@@ -1,0 +1,105 @@
+"""The async side of a generation: engine events arrive on the event loop.
+
+Example::
+
+    stream = EventStream.open(engine, requests, echo_texts={})
+    try:
+        async for event in stream:
+            ...
+    finally:
+        stream.close()   # aborts the engine work if the client went away
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping
+from typing import Protocol
+
+from sluice.engine.engine import EngineHandle
+from sluice.engine.types import EngineRequest, EventSink
+from sluice.events import ErrorEvent, Event, Finish, Start, TextDelta
+
+
+class Submitter(Protocol):
+    """The part of a backend a stream needs (the local engine, or an upstream)."""
+
+    def submit(self, requests: list[EngineRequest], sink: EventSink) -> EngineHandle: ...
+
+    def abort(self, handle: EngineHandle) -> None: ...
+
+
+class _LoopSink:
+    """Receives events on the engine thread, hands them to the event loop."""
+
+    __slots__ = ("_loop", "_queue")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._queue: asyncio.Queue[list[Event]] = asyncio.Queue()
+
+    def put_many(self, events: list[Event]) -> None:
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, events)
+
+    async def get(self) -> list[Event]:
+        return await self._queue.get()
+
+
+class EventStream:
+    """All choices of one response, merged, as one async stream of events.
+
+    Opening submits to the backend at once (so a full queue is an error
+    before the first byte); iteration yields :class:`Start` for each choice,
+    then the backend's events, and ends after the last :class:`Finish` or the
+    first :class:`ErrorEvent`.
+    """
+
+    def __init__(
+        self,
+        backend: Submitter,
+        handle: EngineHandle,
+        sink: _LoopSink,
+        choices: list[tuple[int, int]],
+        echo_texts: Mapping[int, str],
+    ) -> None:
+        self._backend = backend
+        self._handle = handle
+        self._sink = sink
+        self._choices = choices
+        self._echo_texts = echo_texts
+        self._open = {choice for choice, _ in choices}
+        self._done = False
+
+    @classmethod
+    def open(
+        cls,
+        backend: Submitter,
+        requests: list[EngineRequest],
+        echo_texts: Mapping[int, str] | None = None,
+    ) -> EventStream:
+        sink = _LoopSink(asyncio.get_running_loop())
+        handle = backend.submit(requests, sink)
+        choices = [(r.choice, len(r.prompt_tokens)) for r in requests]
+        return cls(backend, handle, sink, choices, echo_texts or {})
+
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        for choice, n_prompt in self._choices:
+            yield Start(choice, n_prompt)
+            echo = self._echo_texts.get(choice)
+            if echo:
+                yield TextDelta(choice, echo, 0, None, echo=True)
+        while self._open:
+            for event in await self._sink.get():
+                yield event
+                if isinstance(event, ErrorEvent):
+                    self._done = True
+                    return
+                if isinstance(event, Finish):
+                    self._open.discard(event.choice)
+        self._done = True
+
+    def close(self) -> None:
+        """Abort whatever is still running (idempotent)."""
+        if not self._done:
+            self._done = True
+            self._backend.abort(self._handle)
