@@ -43,11 +43,11 @@ class UnsupportedParameter(InvalidRequest):
 class ContextOverflow(InvalidRequest):
     """The prompt does not fit the model's context window."""
 
-    def __init__(self, prompt_tokens: int, n_ctx: int) -> None:
+    def __init__(self, prompt_tokens: int, n_ctx: int, param: str = "messages") -> None:
         super().__init__(
             f"This model's maximum context length is {n_ctx} tokens, "
             f"but the prompt is {prompt_tokens} tokens. Shorten the prompt.",
-            param="messages",
+            param=param,
         )
         self.prompt_tokens = prompt_tokens
         self.n_ctx = n_ctx

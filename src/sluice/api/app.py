@@ -9,6 +9,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import hmac
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -166,7 +167,7 @@ class BearerAuth:
             headers = dict(scope["headers"])
             auth = headers.get(b"authorization", b"").decode("latin-1")
             scheme, _, token = auth.partition(" ")
-            if scheme.lower() != "bearer" or token.strip() != self.key:
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), self.key):
                 resp = error_response(
                     AuthenticationFailed("Missing or invalid API key (Authorization: Bearer ...).")
                 )

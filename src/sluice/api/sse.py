@@ -132,8 +132,6 @@ class SSEResponse:
                     chunk = error_frame(exc)
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                     break
-                finally:
-                    pass
                 pending = None
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -158,12 +158,12 @@ class Engine:
             self._thread.join(timeout)
             self._thread = None
 
-    def check_prompt(self, n_prompt: int) -> None:
+    def check_prompt(self, n_prompt: int, param: str = "messages") -> None:
         """Raise :class:`ContextOverflow` unless a prompt leaves room for a token."""
         if n_prompt >= self.runner.n_ctx_seq:
-            raise ContextOverflow(prompt_tokens=n_prompt, n_ctx=self.runner.n_ctx_seq)
+            raise ContextOverflow(n_prompt, self.runner.n_ctx_seq, param)
         if n_prompt == 0:
-            raise InvalidRequest("The prompt is empty.", param="prompt")
+            raise InvalidRequest("The prompt is empty.", param=param)
 
     def submit(self, requests: list[EngineRequest], sink: EventSink) -> EngineHandle:
         """Queue sequences (all or none). Raises before anything is queued.

@@ -59,6 +59,7 @@ class ModelRunner(Protocol):
     n_ctx_seq: int  # context per sequence
     n_seq_max: int  # number of sequences (slots) the context holds
     n_batch: int  # max tokens per decode
+    n_vocab: int
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]: ...
 

@@ -16,11 +16,11 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sluice.engine.engine import Engine
-from sluice.engine.types import EngineRequest
+from sluice.engine.types import EngineRequest, SamplingParams
 from sluice.errors import InvalidRequest, ModelNotFound, UnsupportedParameter
 from sluice.protocol.openai import ChatCompletionRequest, ChatMessage, CompletionRequest
 from sluice.serving.formatters.openai import ResponseMeta
@@ -143,12 +143,12 @@ class CompletionService:
                 tokens = self.runner.tokenize(prompt, add_special=True, parse_special=True)
                 text = prompt
             else:
-                bad = [t for t in prompt if not 0 <= t < self.runner.n_vocab]  # type: ignore[attr-defined]
+                bad = [t for t in prompt if not 0 <= t < self.runner.n_vocab]
                 if bad:
                     raise InvalidRequest(f"prompt token id {bad[0]} is out of range", param="prompt")
                 tokens = list(prompt)
                 text = b"".join(self.runner.token_bytes(t) for t in tokens).decode("utf-8", "replace")
-            self.engine.check_prompt(len(tokens))
+            self.engine.check_prompt(len(tokens), param="prompt")
             for j in range(body.n):
                 choice = p_index * body.n + j
                 if j == 0:
@@ -191,12 +191,10 @@ class CompletionService:
         return self.runner.tokenize(text, add_special=add_bos, parse_special=True)
 
 
-def _choice_seed(sampling: Any, index: int) -> Any:
+def _choice_seed(sampling: SamplingParams, index: int) -> SamplingParams:
     """Distinct but reproducible seeds for the choices of one request."""
     if index == 0 or sampling.seed is None:
         return sampling
-    from dataclasses import replace
-
     return replace(sampling, seed=sampling.seed + index)
 
 

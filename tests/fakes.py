@@ -1,0 +1,185 @@
+"""A scripted model runner: the real engine loop, with chosen token pieces.
+
+The fake replaces only the model (``ModelRunner``). Scheduling, slots, UTF-8
+reassembly, stop strings, cancellation, formatters and HTTP are the real
+code, so boundary cases are tested deterministically through all of them.
+
+Example::
+
+    runner = ScriptedRunner({"Hi": [b"\\xe2\\x82", b"\\xac", b" done"]})
+    app = create_app(Settings(), runner_factory=lambda s: runner)
+
+A prompt's script is looked up by the rendered prompt text (for chat: the
+fake ChatML template below); a prompt with no script gets ``default``.
+Each script item is the bytes of one token, or a marker:
+
+* ``EOS``: the end-of-sequence token (generation stops with ``stop``);
+* ``FAIL``: the next decode of a batch holding this sequence fails.
+
+When a script runs out, the sequence emits EOS.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from sluice.engine.runner import BatchEntry, DecodeError, ModelInfo
+from sluice.engine.types import SamplingParams
+from sluice.events import TokenLogprob, TopLogprob
+
+EOS = object()
+FAIL = object()
+
+EOS_ID = 2
+_PIECE_BASE = 0x200000
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def chat_prompt(*messages: tuple[str, str]) -> str:
+    """The rendered CHATML prompt for (role, content) pairs, as the fake sees it."""
+    out = "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in messages)
+    return out + "<|im_start|>assistant\n"
+
+
+@dataclass
+class FakeSampler:
+    prompt: list[int]
+    script: list[Any]
+    params: SamplingParams
+    pos: int = 0
+    freed: bool = False
+
+
+@dataclass
+class ScriptedRunner:
+    """A :class:`~sluice.engine.runner.ModelRunner` that replays scripts."""
+
+    scripts: dict[str, list[Any]] = field(default_factory=dict)
+    default: list[Any] = field(default_factory=lambda: [b"Hello", b" world", b"!"])
+    n_ctx_seq: int = 256
+    n_seq_max: int = 4
+    n_batch: int = 64
+    step_delay: float = 0.0  # seconds each decode takes
+    chat_template: str | None = CHATML
+    partial_keep: bool = True  # False: behave like a cache that cannot drop a suffix
+
+    def __post_init__(self) -> None:
+        self.info = ModelInfo(
+            id="scripted",
+            path="<scripted>",
+            n_ctx_train=self.n_ctx_seq,
+            n_params=0,
+            size_bytes=0,
+            description="scripted test runner",
+            chat_template=self.chat_template,
+            bos_token="",
+            eos_token="<|im_end|>",
+            add_bos=False,
+        )
+        self.n_vocab = _PIECE_BASE * 2
+        self._pieces: dict[bytes, int] = {}
+        self._by_id: dict[int, bytes] = {}
+        self._lock = threading.Lock()
+        self.history: dict[int, list[int]] = {}
+        self.decodes: list[list[BatchEntry]] = []
+        self.samplers: list[FakeSampler] = []
+        self._rows: dict[int, int] = {}
+        self._fail_next = False
+        self.closed = False
+
+    # -- any thread -----------------------------------------------------------
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]:
+        return [ord(c) for c in text]
+
+    def token_bytes(self, token: int) -> bytes:
+        if token >= _PIECE_BASE:
+            return self._by_id[token]
+        if token == EOS_ID:
+            return b""
+        return chr(token).encode()
+
+    def is_eog(self, token: int) -> bool:
+        return token == EOS_ID
+
+    def new_sampler(self, params: SamplingParams, prompt: list[int]) -> FakeSampler:
+        text = "".join(chr(t) for t in prompt)
+        script = list(self.scripts.get(text, self.default))
+        sampler = FakeSampler(list(prompt), script, params)
+        with self._lock:
+            self.samplers.append(sampler)
+        return sampler
+
+    def free_sampler(self, sampler: Any) -> None:
+        sampler.freed = True
+
+    def piece_id(self, piece: bytes) -> int:
+        with self._lock:
+            token = self._pieces.get(piece)
+            if token is None:
+                token = _PIECE_BASE + len(self._pieces)
+                self._pieces[piece] = token
+                self._by_id[token] = piece
+            return token
+
+    # -- engine thread ----------------------------------------------------------
+
+    def keep_prefix(self, seq: int, n_keep: int) -> int:
+        hist = self.history.setdefault(seq, [])
+        if n_keep > 0 and self.partial_keep:
+            del hist[n_keep:]
+            return min(n_keep, len(hist))
+        hist.clear()
+        return 0
+
+    def decode(self, entries: list[BatchEntry]) -> None:
+        if self.step_delay:
+            time.sleep(self.step_delay)
+        self.decodes.append(list(entries))
+        if self._fail_next:
+            self._fail_next = False
+            raise DecodeError("scripted decode failure")
+        row = 0
+        self._rows = {}
+        for entry in entries:
+            hist = self.history.setdefault(entry.seq, [])
+            assert len(hist) == entry.pos0, (entry.seq, len(hist), entry.pos0)
+            hist.extend(entry.tokens)
+            for _ in entry.tokens:
+                self._rows[row] = entry.seq
+                row += 1
+
+    def sample(self, sampler: Any, row: int) -> int:
+        assert row in self._rows, f"row {row} has no logits in the last decode"
+        while sampler.pos < len(sampler.script):
+            item = sampler.script[sampler.pos]
+            sampler.pos += 1
+            if item is FAIL:
+                self._fail_next = True
+                continue
+            if item is EOS:
+                return EOS_ID
+            return self.piece_id(item)
+        return EOS_ID
+
+    def logprobs(self, row: int, token: int, top_n: int) -> TokenLogprob:
+        piece = self.token_bytes(token)
+        text = piece.decode("utf-8", "replace")
+        top = tuple(TopLogprob(text if i == 0 else f"alt{i}", -0.5 - i, tuple(piece))
+                    for i in range(top_n))
+        return TokenLogprob(text, token, -0.5, tuple(piece), top)
+
+    def close(self) -> None:
+        self.closed = True
+
+    # -- test helpers -------------------------------------------------------------
+
+    def seqs_per_decode(self) -> list[int]:
+        return [len({e.seq for e in entries}) for entries in self.decodes]
