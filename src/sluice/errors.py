@@ -126,7 +126,7 @@ _TABLE: dict[type[SluiceError], ErrorSpec] = {
 
 def spec_for(error: SluiceError) -> ErrorSpec:
     for cls in type(error).__mro__:
-        spec = _TABLE.get(cls)  # type: ignore[arg-type]
+        spec = _TABLE.get(cls)
         if spec is not None:
             return spec
     raise AssertionError("unreachable: SluiceError is in the table")

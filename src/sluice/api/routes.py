@@ -78,7 +78,7 @@ async def completions(request: Request) -> Response:
 
 
 async def _complete(
-    request: Request, model: type[ChatCompletionRequest] | type[CompletionRequest]
+    request: Request, model: type[ChatCompletionRequest | CompletionRequest]
 ) -> Response:
     from sluice.api.app import error_response
 

@@ -150,10 +150,15 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="sluice-engine", daemon=True)
         self._thread.start()
 
+    def begin_shutdown(self) -> None:
+        """Refuse new work; in-flight requests end with a ShuttingDown error frame."""
+        if not self._stopping:
+            self._stopping = True
+            self._commands.put(_Stop())
+
     def stop(self, timeout: float = 10.0) -> None:
-        """End all work (in-flight requests get a ShuttingDown error) and join."""
-        self._stopping = True
-        self._commands.put(_Stop())
+        """:meth:`begin_shutdown`, then wait for the engine thread to end."""
+        self.begin_shutdown()
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
@@ -175,6 +180,12 @@ class Engine:
             raise ShuttingDown("The server is shutting down.")
         for req in requests:
             self.check_prompt(len(req.prompt_tokens))
+        if len(requests) > self.capacity:
+            raise InvalidRequest(
+                f"This request needs {len(requests)} sequences; the server holds at most "
+                f"{self.capacity} ({len(self._slots)} slots + {self.config.max_queue} queued).",
+                param="n",
+            )
         with self._capacity_lock:
             if self._in_flight + len(requests) > self.capacity:
                 raise ServerBusy(
@@ -366,9 +377,9 @@ class Engine:
             self._emit_text(work, ready, events)
             if stop_hit is not None:
                 reason = "stop"
-            elif req.max_tokens is not None and work.generated >= req.max_tokens:
-                reason = "length"
-            elif len(slot.cache) + 1 >= runner.n_ctx_seq:
+            elif (req.max_tokens is not None and work.generated >= req.max_tokens) or (
+                len(slot.cache) + 1 >= runner.n_ctx_seq  # no room to decode this token
+            ):
                 reason = "length"
         if reason is None:
             work.next_token = token

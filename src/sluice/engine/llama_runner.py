@@ -100,7 +100,7 @@ class LlamaRunner:
         self._ctx = ctx
         self._vocab = L.llama_model_get_vocab(model)
         self._mem = L.llama_get_memory(ctx)
-        self.n_vocab = L.llama_vocab_n_tokens(self._vocab)
+        self.n_vocab = int(L.llama_vocab_n_tokens(self._vocab))
         self.n_ctx_seq = int(L.llama_n_ctx_seq(ctx))
         self.n_seq_max = int(L.llama_n_seq_max(ctx))
         self.n_batch = int(L.llama_n_batch(ctx))

@@ -40,7 +40,7 @@ class Utf8Assembler:
 class StopMatcher:
     """Finds stop strings in text and says how much of a tail may still begin one."""
 
-    __slots__ = ("stops", "_max_len")
+    __slots__ = ("_max_len", "stops")
 
     def __init__(self, stops: tuple[str, ...]) -> None:
         self.stops = tuple(s for s in stops if s)
@@ -118,7 +118,8 @@ class SequenceText:
         tail = self._utf8.flush()
         if tail:
             self._pending.append(_Pending(tail, None, is_token=False))
-        return self._release(self._held_chars(), cut=True)
+        # Everything pending, the last token included (``_held_chars`` leaves it out).
+        return self._release(sum(len(p.text) for p in self._pending), cut=True)
 
     def _held_chars(self) -> int:
         return sum(len(p.text) for p in self._pending[:-1]) if len(self._pending) > 1 else 0

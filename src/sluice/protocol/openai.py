@@ -177,7 +177,7 @@ class CompletionRequest(_SamplingFields):
         if all(isinstance(x, str) for x in p):
             return list(p)  # type: ignore[arg-type]
         if all(isinstance(x, list) for x in p):
-            return [list(x) for x in p]  # type: ignore[union-attr]
+            return [list(x) for x in p if isinstance(x, list)]
         raise InvalidRequest(
             "'prompt' must be a string, a list of strings, a list of token ids, or a list of lists",
             param="prompt",

@@ -122,7 +122,7 @@ class ChatStreamFormatter(_StreamFormatter):
         if isinstance(event, Start):
             return [self._choice(event.choice, {"role": "assistant"})]
         if isinstance(event, TextDelta):
-            if not event.text and not event.logprobs:
+            if not event.text:
                 return []  # never an empty content chunk (pitfall 4)
             lps = chat_logprobs(event.logprobs) if self.meta.logprobs and event.logprobs else None
             return [self._choice(event.choice, {"content": event.text}, logprobs=lps)]
@@ -155,7 +155,7 @@ class TextStreamFormatter(_StreamFormatter):
     def frames(self, event: Event) -> list[Frame]:
         self._account(event)
         if isinstance(event, TextDelta):
-            if not event.text and not event.logprobs:
+            if not event.text:
                 return []
             offset = self._offsets.get(event.choice, 0)
             lps = None
