@@ -45,7 +45,7 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
-async def _parse(request: Request, model: type[M]) -> M:
+async def _read_json(request: Request) -> dict[str, Any]:
     raw = await _read_body(request, _state(request).settings.max_body_bytes)
     try:
         data = json.loads(raw)
@@ -53,6 +53,10 @@ async def _parse(request: Request, model: type[M]) -> M:
         raise InvalidRequest(f"The body is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise InvalidRequest("The body must be a JSON object.")
+    return data
+
+
+def _validate(data: dict[str, Any], model: type[M]) -> M:
     try:
         parsed = model.model_validate(data)
     except ValidationError as exc:
@@ -84,7 +88,13 @@ async def _complete(
 
     state = _state(request)
     service = state.service
-    body = await _parse(request, model)
+    data = await _read_json(request)
+    try:
+        body = _validate(data, model)
+    except SluiceError as exc:
+        # A streaming call that asked for SSE gets its validation error as one
+        # error frame too (spec 000: no role frame, the validation message).
+        return error_response(exc, sse=data.get("stream") is True and _wants_sse(request))
     chat = isinstance(body, ChatCompletionRequest)
     try:
         gen: Generation = (

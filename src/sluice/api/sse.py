@@ -97,47 +97,43 @@ class SSEResponse:
         ]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        producer = asyncio.ensure_future(self._produce(send))
-        watcher = asyncio.ensure_future(_wait_disconnect(receive))
-        try:
-            await asyncio.wait({producer, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (producer, watcher):
-                task.cancel()
-            await asyncio.gather(producer, watcher, return_exceptions=True)
-            self.on_close()
-        if producer.done() and not producer.cancelled() and producer.exception() is not None:
-            exc = producer.exception()
-            if not isinstance(exc, OSError):
-                log.error("stream failed", exc_info=exc)
+        loop = asyncio.get_running_loop()
+        lock = asyncio.Lock()
+        last_sent = loop.time()
 
-    async def _produce(self, send: Send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": self.headers})
-        iterator = self.body.__aiter__()
-        pending: asyncio.Future[bytes] | None = None
-        try:
-            while True:
-                if pending is None:
-                    pending = asyncio.ensure_future(iterator.__anext__())
-                done, _ = await asyncio.wait({pending}, timeout=self.ping_interval)
-                if not done:
-                    await send({"type": "http.response.body", "body": PING, "more_body": True})
-                    continue
-                try:
-                    chunk = pending.result()
-                except StopAsyncIteration:
-                    break
-                except Exception as exc:  # a bug below: end the stream visibly, not silently
-                    log.exception("stream producer failed")
-                    chunk = error_frame(exc)
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                    break
-                pending = None
+        async def emit(chunk: bytes) -> None:
+            nonlocal last_sent
+            async with lock:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                last_sent = loop.time()
+
+        async def produce() -> None:
+            await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+            try:
+                async for chunk in self.body:
+                    await emit(chunk)
+            except Exception as exc:  # a bug below: end the stream visibly, not silently
+                log.exception("stream producer failed")
+                await emit(error_frame(exc))
+            async with lock:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        async def ping() -> None:
+            # A separate timer, so the per-chunk path stays one plain await.
+            while True:
+                await asyncio.sleep(max(0.0, last_sent + self.ping_interval - loop.time()))
+                if loop.time() - last_sent >= self.ping_interval:
+                    await emit(PING)
+
+        producer = asyncio.ensure_future(produce())
+        others = [asyncio.ensure_future(_wait_disconnect(receive)), asyncio.ensure_future(ping())]
+        try:
+            await asyncio.wait({producer, others[0]}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            if pending is not None and not pending.done():
-                pending.cancel()
+            for task in (producer, *others):
+                task.cancel()
+            await asyncio.gather(producer, *others, return_exceptions=True)
+            self.on_close()
 
 
 async def _wait_disconnect(receive: Receive) -> None:

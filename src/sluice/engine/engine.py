@@ -137,6 +137,7 @@ class Engine:
         self._in_flight = 0
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._finished = False
         self._counters = {"steps": 0, "generated": 0, "prompt": 0, "cached": 0}
         self.stats = self._snapshot()
 
@@ -208,6 +209,8 @@ class Engine:
             self._release_capacity(len(requests))
             raise
         self._commands.put(_Add(works))
+        if self._finished:  # lost a race with shutdown: nobody will run these
+            self._fail_leftovers(ShuttingDown("The server is shutting down."))
         return EngineHandle(tuple(w.key for w in works))
 
     def abort(self, handle: EngineHandle) -> None:
@@ -234,6 +237,8 @@ class Engine:
         else:
             self._fail_all(ShuttingDown("The server is shutting down."))
         finally:
+            self._finished = True
+            self._fail_leftovers(ShuttingDown("The server is shutting down."))
             self.stats = self._snapshot()
 
     def _drain(self, *, block: bool) -> bool:
@@ -283,6 +288,8 @@ class Engine:
             slot.work = work
             slot.state = SlotState.PREFILLING
             self._counters["cached"] += kept
+            # Prompt processing begins (LM Studio's prompt_processing.start).
+            _deliver(work.sink, [Progress(work.req.choice, "prompt_processing", kept, len(prompt), kept)])
 
     def _step(self) -> None:
         views = [
@@ -459,6 +466,18 @@ class Engine:
             work = self._waiting.popleft()
             _deliver(work.sink, [ErrorEvent(error)])
             self._retire(work)
+
+    def _fail_leftovers(self, error: Exception) -> None:
+        """Fail work still in the command queue once the engine thread is gone."""
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Add):
+                for work in cmd.works:
+                    _deliver(work.sink, [ErrorEvent(error)])
+                    self._retire(work)
 
     def _snapshot(self) -> EngineStats:
         states = [s.state for s in self._slots]

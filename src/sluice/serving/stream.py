@@ -39,7 +39,10 @@ class _LoopSink:
         self._queue: asyncio.Queue[list[Event]] = asyncio.Queue()
 
     def put_many(self, events: list[Event]) -> None:
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, events)
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, events)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
 
     async def get(self) -> list[Event]:
         return await self._queue.get()
