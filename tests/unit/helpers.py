@@ -12,9 +12,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
-
 from fakes import ScriptedRunner, chat_prompt
 from servers import serve_app
+
 from sluice.api.app import create_app
 from sluice.config import Settings
 
@@ -56,7 +56,9 @@ class SSEFrame:
 def parse_sse(body: bytes) -> list[SSEFrame]:
     """A strict reader: every frame ends with a blank line, every line is known."""
     text = body.decode("utf-8")  # strict: invalid UTF-8 on the wire raises
-    assert text == "" or text.endswith("\n\n"), f"body does not end with a blank line: {text[-80:]!r}"
+    assert text == "" or text.endswith("\n\n"), (
+        f"body does not end with a blank line: {text[-80:]!r}"
+    )
     frames: list[SSEFrame] = []
     for block in text.split("\n\n")[:-1]:
         assert block, "empty SSE block (two blank lines in a row)"
@@ -66,10 +68,10 @@ def parse_sse(body: bytes) -> list[SSEFrame]:
                 frame.comments.append(line)
             elif line.startswith("event: "):
                 assert frame.event is None
-                frame.event = line[len("event: "):]
+                frame.event = line[len("event: ") :]
             elif line.startswith("data: "):
                 assert frame.data is None, "multi-line data not expected"
-                frame.data = line[len("data: "):]
+                frame.data = line[len("data: ") :]
             else:
                 raise AssertionError(f"unexpected SSE line {line!r}")
         frames.append(frame)
@@ -106,7 +108,10 @@ class StreamResult:
 
 
 def post_stream(
-    base: str, path: str, body: dict[str, Any], headers: dict[str, str] | None = None,
+    base: str,
+    path: str,
+    body: dict[str, Any],
+    headers: dict[str, str] | None = None,
     timeout: float = 20,
 ) -> StreamResult:
     with httpx.stream("POST", base + path, json=body, headers=headers, timeout=timeout) as r:
@@ -117,7 +122,9 @@ def post_stream(
 def chat_text(chunk_list: list[dict[str, Any]], index: int = 0) -> str:
     return "".join(
         c["delta"].get("content") or ""
-        for ch in chunk_list for c in ch["choices"] if c["index"] == index
+        for ch in chunk_list
+        for c in ch["choices"]
+        if c["index"] == index
     )
 
 
@@ -154,14 +161,22 @@ def health(base: str) -> dict[str, Any]:
     return r.json()
 
 
+def health_when(
+    base: str, pred: Callable[[dict[str, Any]], bool], timeout: float = 5.0
+) -> dict[str, Any]:
+    """Poll /health until ``pred(slots)`` holds; returns that /health body."""
+
+    def check() -> dict[str, Any] | None:
+        h = health(base)
+        return h if pred(h["slots"]) else None
+
+    result: dict[str, Any] = wait_until(check, timeout)
+    return result
+
+
 def wait_idle(base: str, timeout: float = 5.0) -> dict[str, Any]:
     """Poll /health until no slot is active and nothing is queued."""
-    return wait_until(
-        lambda: (lambda h: h if h["slots"]["active"] == 0 and h["slots"]["queued"] == 0 else None)(
-            health(base)
-        ),
-        timeout,
-    )
+    return health_when(base, lambda s: s["active"] == 0 and s["queued"] == 0, timeout)
 
 
 # -- raw sockets (for disconnects: exact control over when the client goes away) ----

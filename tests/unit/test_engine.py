@@ -10,9 +10,8 @@ from typing import Any
 
 import httpx
 import pytest
-from openai import OpenAI
-
 from fakes import EOS, FakeSampler, ScriptedRunner, chat_prompt
+from openai import OpenAI
 
 from .helpers import (
     CHAT,
@@ -21,6 +20,7 @@ from .helpers import (
     chat_text,
     finishes,
     health,
+    health_when,
     parse_sse,
     post_stream,
     prompt_for,
@@ -87,8 +87,9 @@ def test_concurrent_streams_are_batched_not_serialized() -> None:
     runner = ScriptedRunner(scripts, step_delay=0.01)
     with scripted_server(runner, parallel=4, queue=4) as base:
         jobs = [
-            Background(lambda i=i: post_stream(base, CHAT, {"messages": user(f"c{i}"),
-                                                            "stream": True}))
+            Background(
+                lambda i=i: post_stream(base, CHAT, {"messages": user(f"c{i}"), "stream": True})
+            )
             for i in range(4)
         ]
         results: list[StreamResult] = [job.result() for job in jobs]
@@ -112,12 +113,14 @@ def test_full_slots_and_queue_answer_503_at_once() -> None:
     runner.scripts["A"] = [b"a"] * 15
     runner.scripts["B"] = [b"b"] * 5
     with scripted_server(runner, parallel=1, queue=1) as base:
-        a = Background(lambda: post_stream(base, TEXT, {"prompt": "A", "max_tokens": 15,
-                                                        "stream": True}))
+        a = Background(
+            lambda: post_stream(base, TEXT, {"prompt": "A", "max_tokens": 15, "stream": True})
+        )
         wait_until(lambda: health(base)["slots"]["active"] == 1)
-        b = Background(lambda: httpx.post(base + TEXT, json={"prompt": "B", "max_tokens": 5},
-                                          timeout=20))
-        h = wait_until(lambda: (lambda h: h if h["slots"]["queued"] == 1 else None)(health(base)))
+        b = Background(
+            lambda: httpx.post(base + TEXT, json={"prompt": "B", "max_tokens": 5}, timeout=20)
+        )
+        h = health_when(base, lambda s: s["queued"] == 1)
         assert h["slots"]["active"] == 1 and h["slots"]["total"] == 1
 
         t0 = time.monotonic()
@@ -126,8 +129,12 @@ def test_full_slots_and_queue_answer_503_at_once() -> None:
         assert r.status_code == 503
         assert r.headers["retry-after"].isdigit()
         assert r.json()["error"]["type"] == "server_error"
-        res = post_stream(base, CHAT, {"messages": user("C"), "stream": True},
-                          headers={"Accept": "text/event-stream"})
+        res = post_stream(
+            base,
+            CHAT,
+            {"messages": user("C"), "stream": True},
+            headers={"Accept": "text/event-stream"},
+        )
         assert res.status == 503 and "retry-after" in res.headers
         frames = parse_sse(res.body)
         assert [f.event for f in frames] == ["error"] and b"role" not in res.body
@@ -153,8 +160,9 @@ def test_more_choices_than_capacity_is_400() -> None:
 # -- disconnects ------------------------------------------------------------------------------
 
 
-def assert_aborted(base: str, runner: ScriptedRunner, sampler: FakeSampler,
-                   decodes_at_close: int) -> None:
+def assert_aborted(
+    base: str, runner: ScriptedRunner, sampler: FakeSampler, decodes_at_close: int
+) -> None:
     wait_until(lambda: sampler.freed, timeout=3)
     h = wait_idle(base, timeout=3)
     assert h["slots"]["idle"] == h["slots"]["total"]
@@ -213,7 +221,7 @@ def test_disconnect_while_queued(stream: bool) -> None:
         queued_sampler = sampler_for(runner, "QQQQ")
         waiting.close()
         wait_until(lambda: queued_sampler.freed, timeout=3)
-        h = wait_until(lambda: (lambda h: h if h["slots"]["queued"] == 0 else None)(health(base)))
+        h = health_when(base, lambda s: s["queued"] == 0)
         assert h["slots"]["active"] == 1  # the other request is untouched
         assert queued_sampler.pos == 0
         assert seq_entries(runner, "Q") == []  # never admitted, never decoded
@@ -230,8 +238,9 @@ def test_one_disconnect_does_not_disturb_the_others() -> None:
     with scripted_server(runner, parallel=2) as base:
         leaver = raw_post(base, CHAT, {"messages": user("leaver"), "stream": True})
         read_until(leaver, b'"content":"L"')
-        stayer = Background(lambda: post_stream(base, CHAT, {"messages": user("stayer"),
-                                                             "stream": True}))
+        stayer = Background(
+            lambda: post_stream(base, CHAT, {"messages": user("stayer"), "stream": True})
+        )
         wait_until(lambda: sampler_for(runner, prompt_for("stayer")).pos >= 3)
         leaver.close()
         wait_until(lambda: sampler_for(runner, prompt_for("leaver")).freed)
@@ -295,10 +304,16 @@ def test_prefix_cache_reused_and_reported() -> None:
         first = httpx.post(base + CHAT, json={"messages": user("hello")}).json()
         assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         n_before = len(runner.decodes)
-        messages = [*user("hello"), {"role": "assistant", "content": "Hello world!"},
-                    *user("and more")]
-        res = post_stream(base, CHAT, {"messages": messages, "stream": True,
-                                       "stream_options": {"include_usage": True}})
+        messages = [
+            *user("hello"),
+            {"role": "assistant", "content": "Hello world!"},
+            *user("and more"),
+        ]
+        res = post_stream(
+            base,
+            CHAT,
+            {"messages": messages, "stream": True, "stream_options": {"include_usage": True}},
+        )
         usage = res.chunks[-1]["usage"]
         shared = len(prompt_for("hello"))
         assert usage["prompt_tokens"] == len(second_turn_prompt())
@@ -310,8 +325,10 @@ def test_prefix_cache_reused_and_reported() -> None:
         assert decoded == [ord(c) for c in second_turn_prompt()[shared:]]
         # The same prompt again: all but the last token come from the cache.
         again = httpx.post(base + CHAT, json={"messages": messages}).json()
-        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == len(
-            second_turn_prompt()) - 1
+        assert (
+            again["usage"]["prompt_tokens_details"]["cached_tokens"]
+            == len(second_turn_prompt()) - 1
+        )
         health_engine = health(base)["engine"]
         assert health_engine["cached_tokens_reused"] >= shared
 
@@ -321,8 +338,11 @@ def test_prefix_cache_not_reported_when_not_kept() -> None:
     with scripted_server(runner, parallel=1) as base:
         httpx.post(base + CHAT, json={"messages": user("hello")})
         n_before = len(runner.decodes)
-        messages = [*user("hello"), {"role": "assistant", "content": "Hello world!"},
-                    *user("and more")]
+        messages = [
+            *user("hello"),
+            {"role": "assistant", "content": "Hello world!"},
+            *user("and more"),
+        ]
         body = httpx.post(base + CHAT, json={"messages": messages}).json()
         cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert type(cached) is int and cached == 0
@@ -356,3 +376,25 @@ def test_pings_during_slow_steps_and_sdk_still_parses() -> None:
         got = [c for c in stream]
         assert "".join(c.choices[0].delta.content or "" for c in got) == "ab"
         assert got[-1].choices[0].finish_reason == "stop"
+
+
+def test_echo_logprobs_across_prefill_chunks() -> None:
+    runner = ScriptedRunner(n_batch=4)
+    prompt = "0123456789"
+    runner.scripts[prompt] = [b"!", b"?", EOS]
+    with scripted_server(runner) as base:
+        res = post_stream(
+            base, TEXT, {"prompt": prompt, "echo": True, "logprobs": 1, "stream": True}
+        )
+        chunks = res.chunks
+        lps = [c["choices"][0]["logprobs"] for c in chunks]
+        tokens = [t for lp in lps for t in lp["tokens"]]
+        values = [v for lp in lps for v in lp["token_logprobs"]]
+        offsets = [o for lp in lps for o in lp["text_offset"]]
+        assert tokens == list(prompt) + ["!", "?"]  # one entry per prompt token, in order
+        assert values[0] is None and all(isinstance(v, float) for v in values[1:])
+        assert offsets == list(range(12))
+        assert text_text(chunks) == prompt + "!?"
+        # The prompt went through in several chunks of at most n_batch tokens.
+        prefill = [e for d in runner.decodes for e in d if e.tokens[0] < 0x200000]
+        assert [len(e.tokens) for e in prefill[:3]] == [4, 4, 2]

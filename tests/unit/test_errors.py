@@ -9,21 +9,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from fakes import EOS, FAIL, ScriptedRunner
 from openai import OpenAI
 
-from fakes import EOS, FAIL, ScriptedRunner
-
-from .helpers import (
-    CHAT,
-    TEXT,
-    chat_text,
-    parse_sse,
-    post_stream,
-    prompt_for,
-    scripted_server,
-    user,
-    wait_idle,
-)
 from sluice.errors import (
     AuthenticationFailed,
     BodyTooLarge,
@@ -39,6 +27,18 @@ from sluice.errors import (
     error_body,
     error_frame_payload,
     spec_for,
+)
+
+from .helpers import (
+    CHAT,
+    TEXT,
+    chat_text,
+    parse_sse,
+    post_stream,
+    prompt_for,
+    scripted_server,
+    user,
+    wait_idle,
 )
 
 SSE = {"Accept": "text/event-stream"}
@@ -95,7 +95,9 @@ def base(runner: ScriptedRunner) -> Iterator[str]:
         yield url
 
 
-def assert_error_json(r: httpx.Response, status: int, *, param: str | None = None) -> dict[str, Any]:
+def assert_error_json(
+    r: httpx.Response, status: int, *, param: str | None = None
+) -> dict[str, Any]:
     assert r.status_code == status, r.text
     assert r.headers["content-type"].startswith("application/json")
     err = r.json()["error"]
@@ -171,7 +173,9 @@ def test_nonstreaming_failure_is_500(base: str, runner: ScriptedRunner) -> None:
 
 
 def test_invalid_json_is_400(base: str) -> None:
-    r = httpx.post(base + CHAT, content=b'{"messages": [', headers={"content-type": "application/json"})
+    r = httpx.post(
+        base + CHAT, content=b'{"messages": [', headers={"content-type": "application/json"}
+    )
     err = assert_error_json(r, 400)
     assert err["type"] == "invalid_request_error" and "JSON" in err["message"]
     r = httpx.post(base + CHAT, json=[1, 2])
@@ -233,8 +237,11 @@ def test_context_overflow_names_both_counts(base: str, runner: ScriptedRunner) -
 @pytest.mark.parametrize(
     ("path", "extra", "param"),
     [
-        (CHAT, {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
-         "tools"),
+        (
+            CHAT,
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+            "tools",
+        ),
         (CHAT, {"tool_choice": "required"}, "tool_choice"),
         (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
         (CHAT, {"functions": [{"name": "f"}]}, "functions"),
@@ -252,8 +259,9 @@ def test_unsupported_fields_are_400_naming_the_field(
 
 
 def test_unknown_fields_are_accepted(base: str) -> None:
-    r = httpx.post(base + CHAT, json={"messages": user("x"), "frobnicate": True,
-                                      "top_a": 0.3, "mirostat": 2})
+    r = httpx.post(
+        base + CHAT, json={"messages": user("x"), "frobnicate": True, "top_a": 0.3, "mirostat": 2}
+    )
     assert r.status_code == 200
     assert r.json()["choices"][0]["message"]["content"] == "Hello world!"
     r = httpx.post(base + TEXT, json={"prompt": "x", "typical_p": 0.5})
@@ -263,8 +271,12 @@ def test_unknown_fields_are_accepted(base: str) -> None:
 def test_prestream_error_as_sse_frame_when_asked(base: str) -> None:
     cases = [
         (TEXT, {"prompt": "p" * 300}, 400, "context_length_exceeded"),
-        (CHAT, {"messages": user("x"), "tools": [{"type": "function"}]}, 400,
-         "unsupported_parameter"),
+        (
+            CHAT,
+            {"messages": user("x"), "tools": [{"type": "function"}]},
+            400,
+            "unsupported_parameter",
+        ),
         (CHAT, {"messages": user("x"), "temperature": 9}, 400, None),
         (CHAT, {"messages": user("x"), "stop": list("abcde")}, 400, None),
     ]
@@ -286,9 +298,12 @@ def test_prestream_error_as_sse_frame_when_asked(base: str) -> None:
 def test_openai_sdk_gets_status_errors(base: str) -> None:
     client = OpenAI(base_url=base + "/v1", api_key="k", max_retries=0)
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="m", messages=user("x"), stream=True,
-                                       tools=[{"type": "function",
-                                               "function": {"name": "f", "parameters": {}}}])
+        client.chat.completions.create(
+            model="m",
+            messages=user("x"),
+            stream=True,
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        )
     assert "tools" in str(info.value)
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
         client.completions.create(model="m", prompt="p" * 500, stream=True)
@@ -330,8 +345,12 @@ def test_bearer_auth_and_body_limit() -> None:
     runner = ScriptedRunner()
     with scripted_server(runner, api_key="sekret", max_body_bytes=2048) as base:
         body = {"messages": user("hi")}
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"},
-                        {"Authorization": "Basic sekret"}):
+        for headers in (
+            {},
+            {"Authorization": "Bearer wrong"},
+            {"Authorization": "sekret"},
+            {"Authorization": "Basic sekret"},
+        ):
             r = httpx.post(base + CHAT, json=body, headers=headers)
             err = assert_error_json(r, 401)
             assert err["type"] == "authentication_error"
@@ -346,7 +365,12 @@ def test_bearer_auth_and_body_limit() -> None:
         with pytest.raises(openai.AuthenticationError):
             client.chat.completions.create(model="m", messages=user("hi"))
         client = OpenAI(base_url=base + "/v1", api_key="sekret", max_retries=0)
-        assert client.chat.completions.create(model="m", messages=user("hi")).choices[0].message.content == "Hello world!"
+        assert (
+            client.chat.completions.create(model="m", messages=user("hi"))
+            .choices[0]
+            .message.content
+            == "Hello world!"
+        )
 
         # Over the body limit: 413, with a declared length and with a chunked body.
         big = {"messages": user("x" * 4000)}
@@ -357,9 +381,10 @@ def test_bearer_auth_and_body_limit() -> None:
         def chunked() -> Iterator[bytes]:
             raw = json.dumps(big).encode()
             for i in range(0, len(raw), 500):
-                yield raw[i:i + 500]
+                yield raw[i : i + 500]
 
-        r = httpx.post(base + CHAT, content=chunked(),
-                       headers={**good, "content-type": "application/json"})
+        r = httpx.post(
+            base + CHAT, content=chunked(), headers={**good, "content-type": "application/json"}
+        )
         assert_error_json(r, 413)
         assert httpx.post(base + CHAT, json=body, headers=good).status_code == 200

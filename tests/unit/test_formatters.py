@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -21,14 +22,20 @@ from sluice.serving.formatters.openai import (
 
 
 def meta(**kw: object) -> ResponseMeta:
-    base = dict(id="x-1", created=1700000000, model="m", prompt_owners=frozenset({0}))
+    base: dict[str, Any] = {
+        "id": "x-1",
+        "created": 1700000000,
+        "model": "m",
+        "prompt_owners": frozenset({0}),
+    }
     base.update(kw)
-    return ResponseMeta(**base)  # type: ignore[arg-type]
+    return ResponseMeta(**base)
 
 
 def tlp(token: str, logprob: float | None = -1.0) -> TokenLogprob:
-    return TokenLogprob(token, 1, logprob, tuple(token.encode()),
-                        (TopLogprob(token, -1.0, tuple(token.encode())),))
+    return TokenLogprob(
+        token, 1, logprob, tuple(token.encode()), (TopLogprob(token, -1.0, tuple(token.encode())),)
+    )
 
 
 def run(fmt: ChatStreamFormatter | TextStreamFormatter, events: list) -> list[dict]:
@@ -71,15 +78,21 @@ def test_error_frame_carries_both_shapes() -> None:
 
 
 def test_chat_formatter_contract() -> None:
-    out = run(ChatStreamFormatter(meta()), [
-        Start(0, 5),
-        TextDelta(0, "Hi", 1),
-        TextDelta(0, "", 1),  # nothing decided this step: no frame
-        TextDelta(0, " there", 1),
-        Finish(0, "stop", USAGE),
-    ])
+    out = run(
+        ChatStreamFormatter(meta()),
+        [
+            Start(0, 5),
+            TextDelta(0, "Hi", 1),
+            TextDelta(0, "", 1),  # nothing decided this step: no frame
+            TextDelta(0, " there", 1),
+            Finish(0, "stop", USAGE),
+        ],
+    )
     assert [c["choices"][0]["delta"] for c in out] == [
-        {"role": "assistant"}, {"content": "Hi"}, {"content": " there"}, {}
+        {"role": "assistant"},
+        {"content": "Hi"},
+        {"content": " there"},
+        {},
     ]
     assert [c["choices"][0]["finish_reason"] for c in out] == [None, None, None, "stop"]
     assert {(c["id"], c["created"], c["object"]) for c in out} == {
@@ -89,22 +102,32 @@ def test_chat_formatter_contract() -> None:
 
 
 def test_chat_formatter_usage_chunk_and_continuous_usage() -> None:
-    out = run(ChatStreamFormatter(meta(include_usage=True)),
-              [Start(0, 5), TextDelta(0, "a", 1), Finish(0, "length", USAGE)])
+    out = run(
+        ChatStreamFormatter(meta(include_usage=True)),
+        [Start(0, 5), TextDelta(0, "a", 1), Finish(0, "length", USAGE)],
+    )
     assert [("usage" in c) for c in out] == [False, False, False, True]
     assert out[-1]["choices"] == []
-    assert out[-1]["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7,
-                                "prompt_tokens_details": {"cached_tokens": 3}}
-    out = run(ChatStreamFormatter(meta(include_usage=True, continuous_usage=True)),
-              [Start(0, 5), TextDelta(0, "a", 1), Finish(0, "length", USAGE)])
+    assert out[-1]["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 2,
+        "total_tokens": 7,
+        "prompt_tokens_details": {"cached_tokens": 3},
+    }
+    out = run(
+        ChatStreamFormatter(meta(include_usage=True, continuous_usage=True)),
+        [Start(0, 5), TextDelta(0, "a", 1), Finish(0, "length", USAGE)],
+    )
     assert all("usage" in c for c in out)
     assert [c["usage"]["completion_tokens"] for c in out] == [0, 1, 2, 2]
     assert all(isinstance(c["usage"]["prompt_tokens_details"]["cached_tokens"], int) for c in out)
 
 
 def test_chat_formatter_logprobs_shape() -> None:
-    out = run(ChatStreamFormatter(meta(logprobs=True)),
-              [Start(0, 1), TextDelta(0, "ab", 2, (tlp("a"), tlp("b"))), Finish(0, "stop")])
+    out = run(
+        ChatStreamFormatter(meta(logprobs=True)),
+        [Start(0, 1), TextDelta(0, "ab", 2, (tlp("a"), tlp("b"))), Finish(0, "stop")],
+    )
     lp = out[1]["choices"][0]["logprobs"]
     assert [e["token"] for e in lp["content"]] == ["a", "b"]
     assert lp["content"][0]["bytes"] == [97]
@@ -124,13 +147,16 @@ def test_chat_formatter_ignores_errors_it_is_not_given() -> None:
 
 
 def test_text_formatter_offsets_and_logprobs_every_chunk() -> None:
-    out = run(TextStreamFormatter(meta(logprobs=True)), [
-        Start(0, 2),
-        TextDelta(0, "ab", 0, (tlp("a", None), tlp("b")), echo=True),
-        TextDelta(0, "cd", 2, (tlp("c"), tlp("d"))),
-        TextDelta(0, "e", 1, (tlp("e"),)),
-        Finish(0, "stop", USAGE),
-    ])
+    out = run(
+        TextStreamFormatter(meta(logprobs=True)),
+        [
+            Start(0, 2),
+            TextDelta(0, "ab", 0, (tlp("a", None), tlp("b")), echo=True),
+            TextDelta(0, "cd", 2, (tlp("c"), tlp("d"))),
+            TextDelta(0, "e", 1, (tlp("e"),)),
+            Finish(0, "stop", USAGE),
+        ],
+    )
     assert [c["object"] for c in out] == ["text_completion"] * 4
     assert [c["choices"][0]["text"] for c in out] == ["ab", "cd", "e", ""]
     lps = [c["choices"][0]["logprobs"] for c in out]
@@ -145,12 +171,15 @@ def test_text_formatter_offsets_and_logprobs_every_chunk() -> None:
 
 
 def test_text_formatter_offsets_are_per_choice() -> None:
-    out = run(TextStreamFormatter(meta(logprobs=True, prompt_owners=frozenset({0, 1}))), [
-        TextDelta(0, "aaa", 1, (tlp("aaa"),)),
-        TextDelta(1, "b", 1, (tlp("b"),)),
-        TextDelta(1, "c", 1, (tlp("c"),)),
-        TextDelta(0, "d", 1, (tlp("d"),)),
-    ])
+    out = run(
+        TextStreamFormatter(meta(logprobs=True, prompt_owners=frozenset({0, 1}))),
+        [
+            TextDelta(0, "aaa", 1, (tlp("aaa"),)),
+            TextDelta(1, "b", 1, (tlp("b"),)),
+            TextDelta(1, "c", 1, (tlp("c"),)),
+            TextDelta(0, "d", 1, (tlp("d"),)),
+        ],
+    )
     offsets = [(c["choices"][0]["index"], c["choices"][0]["logprobs"]["text_offset"]) for c in out]
     assert offsets == [(0, [0]), (1, [0]), (1, [1]), (0, [3])]
 
@@ -167,8 +196,12 @@ def test_usage_counts_shared_prompt_once() -> None:
     for choice in (0, 1):
         totals.start(choice, 5)
         totals.finish(Finish(choice, "stop", Usage(choice, 5, 3, cached_tokens=2)))
-    assert totals.as_dict() == {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11,
-                                "prompt_tokens_details": {"cached_tokens": 2}}
+    assert totals.as_dict() == {
+        "prompt_tokens": 5,
+        "completion_tokens": 6,
+        "total_tokens": 11,
+        "prompt_tokens_details": {"cached_tokens": 2},
+    }
 
 
 def test_usage_counts_each_distinct_prompt() -> None:
@@ -188,8 +221,14 @@ def test_accumulator_folds_the_same_events() -> None:
         acc.add(e)
     body = acc.chat_completion()
     assert body["object"] == "chat.completion"
-    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "Hi!"},
-                                "logprobs": None, "finish_reason": "stop"}]
+    assert body["choices"] == [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "Hi!"},
+            "logprobs": None,
+            "finish_reason": "stop",
+        }
+    ]
     assert body["usage"]["total_tokens"] == 7
     text = ResponseAccumulator(meta())
     for e in events:

@@ -1,4 +1,4 @@
-"""plan_batch: the pure batch planner (decode first, then FIFO prefill chunks)."""
+"""plan_batch: the pure batch planner (decode first, then shortest-remaining prefill chunks)."""
 
 from __future__ import annotations
 
@@ -32,6 +32,19 @@ def test_prefill_is_fifo_by_admission_not_slot_order() -> None:
         SlotView(1, PRE, prompt_remaining=10, admitted_at=2),
     ]
     assert plan_batch(slots, 15) == [Planned(1, 10, True), Planned(0, 5, True)]
+
+
+def test_short_prompt_admitted_later_is_not_stuck_behind_a_long_prefill() -> None:
+    slots = [
+        SlotView(0, GEN),
+        SlotView(1, PRE, prompt_remaining=5000, admitted_at=0),
+        SlotView(2, PRE, prompt_remaining=20, admitted_at=1),
+    ]
+    assert plan_batch(slots, 512) == [
+        Planned(0, 1, False),
+        Planned(2, 20, True),
+        Planned(1, 491, True),
+    ]
 
 
 def test_short_prefill_finishes_in_one_chunk_and_leftover_goes_on() -> None:

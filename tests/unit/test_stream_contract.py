@@ -14,9 +14,8 @@ from typing import Any
 
 import httpx
 import pytest
-from openai import OpenAI
-
 from fakes import EOS, ScriptedRunner
+from openai import OpenAI
 
 from .helpers import (
     CHAT,
@@ -91,13 +90,16 @@ def test_chat_stream_bytes_in_exact_order(base: str, runner: ScriptedRunner) -> 
     assert res.headers["cache-control"] == "no-cache"
     assert res.headers["x-accel-buffering"] == "no"
     assert "content-encoding" not in res.headers
-    first = json.loads(res.body.split(b"\n\n", 1)[0][len(b"data: "):])
+    first = json.loads(res.body.split(b"\n\n", 1)[0][len(b"data: ") :])
     ident, created = first["id"], first["created"]
 
     def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
         body = {
-            "id": ident, "object": "chat.completion.chunk", "created": created,
-            "model": "scripted", "system_fingerprint": None,
+            "id": ident,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": "scripted",
+            "system_fingerprint": None,
             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
         }
         return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
@@ -127,15 +129,17 @@ def test_openai_sdk_parses_chat_stream(base: str, runner: ScriptedRunner) -> Non
     chat_script(runner, "sdk", [b"Once", b" upon", b" a", b" time", EOS])
     client = OpenAI(base_url=base + "/v1", api_key="not-needed", max_retries=0)
     stream = client.chat.completions.create(
-        model="local-model", messages=user("sdk"), stream=True,
+        model="local-model",
+        messages=user("sdk"),
+        stream=True,
         stream_options={"include_usage": True},
     )
     got = list(stream)
     assert got[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in got if c.choices) == "Once upon a time"
-    assert [c.choices[0].finish_reason for c in got if c.choices and c.choices[0].finish_reason] == [
-        "stop"
-    ]
+    assert [
+        c.choices[0].finish_reason for c in got if c.choices and c.choices[0].finish_reason
+    ] == ["stop"]
     assert got[-1].choices == [] and got[-1].usage is not None
     assert got[-1].usage.completion_tokens == 5  # four pieces and the EOS
     completion = client.completions.create(model="x", prompt="sdk text", max_tokens=3)
@@ -187,8 +191,9 @@ def test_incomplete_trailing_utf8_is_flushed(base: str, runner: ScriptedRunner, 
 # -- stop strings -----------------------------------------------------------------------------
 
 
-def stop_case(base: str, runner: ScriptedRunner, content: str, items: list[Any],
-              stop: Any, **kw: Any) -> tuple[str, str, list[dict[str, Any]]]:
+def stop_case(
+    base: str, runner: ScriptedRunner, content: str, items: list[Any], stop: Any, **kw: Any
+) -> tuple[str, str, list[dict[str, Any]]]:
     chat_script(runner, content, items)
     chunks = chat_stream(base, content, stop=stop, **kw)
     assert_chat_contract(chunks)
@@ -200,8 +205,11 @@ def stop_case(base: str, runner: ScriptedRunner, content: str, items: list[Any],
 
 def test_stop_spanning_tokens_never_leaks(base: str, runner: ScriptedRunner) -> None:
     text, reason, chunks = stop_case(
-        base, runner, "stop span",
-        [b"Answer", b": 4", b"<", b"|e", b"nd", b"|>", b" junk", EOS], "<|end|>",
+        base,
+        runner,
+        "stop span",
+        [b"Answer", b": 4", b"<", b"|e", b"nd", b"|>", b" junk", EOS],
+        "<|end|>",
     )
     assert (text, reason) == ("Answer: 4", "stop")
     assert all("<" not in (c["choices"][0]["delta"].get("content") or "") for c in chunks)
@@ -223,8 +231,9 @@ def test_earliest_of_four_stops_wins(base: str, runner: ScriptedRunner) -> None:
 
 @pytest.mark.parametrize("how", ["eos", "max_tokens"])
 def test_held_back_partial_stop_is_flushed(base: str, runner: ScriptedRunner, how: str) -> None:
-    items: list[Any] = [b"value", b" <", b"|e", EOS] if how == "eos" else [b"value", b" <", b"|e",
-                                                                          b"nd|>"]
+    items: list[Any] = (
+        [b"value", b" <", b"|e", EOS] if how == "eos" else [b"value", b" <", b"|e", b"nd|>"]
+    )
     kw = {"max_tokens": 3} if how == "max_tokens" else {}
     text, reason, _ = stop_case(base, runner, f"stop flush {how}", items, "<|end|>", **kw)
     assert text == "value <|e"
@@ -243,8 +252,9 @@ def test_stop_in_text_completions(base: str, runner: ScriptedRunner) -> None:
 
 def test_text_stream_shape_and_logprobs_per_token(base: str, runner: ScriptedRunner) -> None:
     runner.scripts["tc lp"] = [b"Hel", b"lo", b" \xe2\x82", b"\xac", EOS]
-    res = post_stream(base, TEXT, {"prompt": "tc lp", "stream": True, "logprobs": 2,
-                                   "max_tokens": 10})
+    res = post_stream(
+        base, TEXT, {"prompt": "tc lp", "stream": True, "logprobs": 2, "max_tokens": 10}
+    )
     chunks = res.chunks
     assert {c["object"] for c in chunks} == {"text_completion"}
     assert len({c["id"] for c in chunks}) == 1 and chunks[0]["id"].startswith("cmpl-")
@@ -300,16 +310,28 @@ def test_text_echo_with_logprobs(base: str, runner: ScriptedRunner) -> None:
 def test_text_list_of_prompts_and_n(base: str, runner: ScriptedRunner) -> None:
     runner.scripts["p one"] = [b"first", EOS]
     runner.scripts["p two"] = [b"second", b" answer", EOS]
-    res = post_stream(base, TEXT, {"prompt": ["p one", "p two"], "n": 2, "stream": True,
-                                   "stream_options": {"include_usage": True}})
+    res = post_stream(
+        base,
+        TEXT,
+        {
+            "prompt": ["p one", "p two"],
+            "n": 2,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     chunks = res.chunks
     usage = chunks[-1]
     assert usage["choices"] == []
     chunks = chunks[:-1]
     assert all(len(c["choices"]) == 1 for c in chunks)
     assert {c["choices"][0]["index"] for c in chunks} == {0, 1, 2, 3}
-    assert [text_text(chunks, i) for i in range(4)] == ["first", "first", "second answer",
-                                                       "second answer"]
+    assert [text_text(chunks, i) for i in range(4)] == [
+        "first",
+        "first",
+        "second answer",
+        "second answer",
+    ]
     assert finishes(chunks) == {0: ["stop"], 1: ["stop"], 2: ["stop"], 3: ["stop"]}
     # Each distinct prompt is counted once; every choice's tokens count.
     assert usage["usage"]["prompt_tokens"] == len("p one") + len("p two")
@@ -333,8 +355,11 @@ def test_chat_n_greater_than_one(base: str, runner: ScriptedRunner) -> None:
 
 def test_include_usage_one_final_chunk(base: str, runner: ScriptedRunner) -> None:
     chat_script(runner, "usage", [b"a", b"b", b"c", EOS])
-    res = post_stream(base, CHAT, {"messages": user("usage"), "stream": True,
-                                   "stream_options": {"include_usage": True}})
+    res = post_stream(
+        base,
+        CHAT,
+        {"messages": user("usage"), "stream": True, "stream_options": {"include_usage": True}},
+    )
     chunks = res.chunks
     with_usage = [c for c in chunks if c.get("usage") is not None]
     assert with_usage == [chunks[-1]]
@@ -352,8 +377,9 @@ def test_include_usage_one_final_chunk(base: str, runner: ScriptedRunner) -> Non
 
 def test_continuous_usage_on_every_chunk(base: str, runner: ScriptedRunner) -> None:
     chat_script(runner, "cusage", [b"a", b"b", b"c", EOS])
-    chunks = chat_stream(base, "cusage",
-                         stream_options={"include_usage": True, "continuous_usage_stats": True})
+    chunks = chat_stream(
+        base, "cusage", stream_options={"include_usage": True, "continuous_usage_stats": True}
+    )
     assert all(isinstance(c.get("usage"), dict) for c in chunks)
     completion = [c["usage"]["completion_tokens"] for c in chunks]
     assert completion == sorted(completion) and completion[-1] == 4
@@ -364,16 +390,32 @@ def test_continuous_usage_on_every_chunk(base: str, runner: ScriptedRunner) -> N
 def test_streaming_reassembled_equals_nonstreaming(base: str, runner: ScriptedRunner) -> None:
     chat_script(runner, "same", [b"x\xf0\x9f", b"\x98\x80", b"y", b"STO", b"P", b"z", EOS])
     for kw in ({}, {"stop": "STOP"}, {"max_tokens": 2}):
-        res = post_stream(base, CHAT, {"messages": user("same"), "stream": True,
-                                       "stream_options": {"include_usage": True}, **kw})
+        res = post_stream(
+            base,
+            CHAT,
+            {
+                "messages": user("same"),
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                **kw,
+            },
+        )
         chunks = res.chunks
         full = chat_once(base, "same", **kw)
         assert full["choices"][0]["message"]["content"] == chat_text(chunks[:-1])
         assert full["choices"][0]["finish_reason"] == finishes(chunks)[0][0]
         assert full["usage"] == chunks[-1]["usage"]
     runner.scripts["same text"] = [b"a", b"\xc3", b"\xa9", b"b", EOS]
-    res = post_stream(base, TEXT, {"prompt": "same text", "stream": True, "logprobs": 0,
-                                   "stream_options": {"include_usage": True}})
+    res = post_stream(
+        base,
+        TEXT,
+        {
+            "prompt": "same text",
+            "stream": True,
+            "logprobs": 0,
+            "stream_options": {"include_usage": True},
+        },
+    )
     full = httpx.post(base + TEXT, json={"prompt": "same text", "logprobs": 0}).json()
     assert full["choices"][0]["text"] == text_text(res.chunks[:-1]) == "aéb"
     assert full["usage"] == res.chunks[-1]["usage"]
@@ -387,8 +429,7 @@ def test_streaming_reassembled_equals_nonstreaming(base: str, runner: ScriptedRu
 def test_max_tokens_and_max_completion_tokens(base: str, runner: ScriptedRunner) -> None:
     chat_script(runner, "limits", [b"1", b"2", b"3", b"4", b"5", b"6", EOS])
     for field, n in (("max_tokens", 3), ("max_completion_tokens", 2)):
-        chunks = chat_stream(base, "limits", **{field: n},
-                             stream_options={"include_usage": True})
+        chunks = chat_stream(base, "limits", **{field: n}, stream_options={"include_usage": True})
         assert chat_text(chunks[:-1]) == "123"[:n]
         assert finishes(chunks) == {0: ["length"]}
         assert chunks[-1]["usage"]["completion_tokens"] == n
@@ -416,8 +457,9 @@ def test_end_of_context_is_length(base: str, runner: ScriptedRunner) -> None:
     assert max(len(runner.history[s]) for s in runner.history) <= runner.n_ctx_seq
 
 
-def test_no_empty_content_chunks_when_tokens_decide_nothing(base: str,
-                                                            runner: ScriptedRunner) -> None:
+def test_no_empty_content_chunks_when_tokens_decide_nothing(
+    base: str, runner: ScriptedRunner
+) -> None:
     # Each split byte and each possible stop prefix is a step with nothing to send.
     chat_script(runner, "quiet", [b"\xf0", b"\x9f", b"\x98", b"\x80", b"<", b"<", b"x", EOS])
     chunks = chat_stream(base, "quiet", stop="<<<")

@@ -21,8 +21,9 @@ def lp(i: int) -> TokenLogprob:
     return TokenLogprob(f"t{i}", 1000 + i, -0.1 * i, ())
 
 
-def run(stops: tuple[str, ...], pieces: list[bytes], *, logprobs: bool = False,
-        end: bool = True) -> tuple[str, str | None, int, int]:
+def run(
+    stops: tuple[str, ...], pieces: list[bytes], *, logprobs: bool = False, end: bool = True
+) -> tuple[str, str | None, int, int]:
     """Feed pieces like the engine does; returns (text, stop, tokens released, logprobs released)."""
     seq = SequenceText(stops, logprobs)
     text, tokens, n_lps, stop = "", 0, 0, None

@@ -1,8 +1,11 @@
 """Choosing the next batch: a pure function over slot state.
 
 Every generating sequence gets its next token in every step (decode is what
-users see); what is left of the token budget goes to prompt prefill, oldest
-admission first, in chunks. So a long prompt never stalls anyone's next token.
+users see); what is left of the token budget goes to prompt prefill in
+chunks, the prompt with the least left first (ties: oldest admission). So a
+long prompt never stalls anyone's next token, and a short prompt that arrives
+during a long prefill gets its first token without waiting for it. A long
+prompt cannot starve: at most one short prompt per slot can be ahead of it.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ class SlotView:
     seq: int
     state: SlotState
     prompt_remaining: int = 0  # prompt tokens not yet in the KV cache
-    admitted_at: int = 0  # admission order, for FIFO prefill
+    admitted_at: int = 0  # admission order, breaks prefill ties
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +34,7 @@ class Planned:
 
 
 def plan_batch(slots: Sequence[SlotView], n_batch: int) -> list[Planned]:
-    """Decode tokens first, then prefill chunks in admission order, within ``n_batch``.
+    """Decode tokens first, then prefill chunks shortest-remaining first, within ``n_batch``.
 
     >>> plan_batch([SlotView(0, SlotState.GENERATING),
     ...             SlotView(1, SlotState.PREFILLING, prompt_remaining=900)], 512)
@@ -45,7 +48,7 @@ def plan_batch(slots: Sequence[SlotView], n_batch: int) -> list[Planned]:
             budget -= 1
     prefilling = sorted(
         (s for s in slots if s.state is SlotState.PREFILLING and s.prompt_remaining > 0),
-        key=lambda s: s.admitted_at,
+        key=lambda s: (s.prompt_remaining, s.admitted_at),
     )
     for slot in prefilling:
         if budget <= 0:
