@@ -6,6 +6,7 @@ import contextlib
 import os
 import socket
 import subprocess
+import tempfile
 import sys
 import threading
 import time
@@ -48,15 +49,18 @@ def serve_process(*args: str, env: dict[str, str] | None = None) -> Iterator[str
     """Start `sluice serve` as a real process (the README's command) and wait for /health."""
     port = free_port()
     cmd = [sys.executable, "-m", "sluice", "serve", "--port", str(port), *args]
+    # Output goes to a file, not a pipe nobody drains (a full pipe would block the server).
+    log_file = tempfile.TemporaryFile()
     proc = subprocess.Popen(
-        cmd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        cmd, env={**os.environ, **(env or {})}, stdout=log_file, stderr=subprocess.STDOUT
     )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     try:
         while True:
             if proc.poll() is not None:
-                out = proc.stdout.read().decode() if proc.stdout else ""
+                log_file.seek(0)
+                out = log_file.read().decode(errors="replace")
                 raise RuntimeError(f"sluice exited with {proc.returncode}:\n{out}")
             try:
                 if httpx.get(f"{base}/health", timeout=1).status_code == 200:
@@ -73,3 +77,4 @@ def serve_process(*args: str, env: dict[str, str] | None = None) -> Iterator[str
             proc.wait(20)
         except subprocess.TimeoutExpired:
             proc.kill()
+        log_file.close()

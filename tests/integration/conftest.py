@@ -2,8 +2,9 @@
 
 One SmolLM2 server for the whole session (``--parallel 4 --ctx 2048``) and,
 only when a test asks for it, a second small-context server (``--ctx 256``).
-Servers log at ``warning``: ``serve_process`` pipes their output without
-reading it, so chatty access logs could fill the pipe and stall the server.
+Every server gets ``helpers.QUIET`` (one llama.cpp thread, log level warning).
+Each test starts on an idle server (``wait_idle``), so a test that leaked a busy
+slot fails loudly instead of skewing the next one.
 """
 
 from __future__ import annotations
@@ -16,11 +17,9 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from servers import serve_process  # noqa: E402
+from servers import serve_process
 
-from .helpers import wait_idle  # noqa: E402
-
-QUIET = ("--log-level", "warning")
+from .helpers import QUIET, wait_idle
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,12 @@ from typing import Any
 
 import httpx
 
+# Flags every test server gets. One llama.cpp thread: on this shared 2-core machine, two
+# threads spin-waiting on each other while other processes compete for the cores made
+# decoding 3-10x slower. Log level warning: serve_process pipes the server's output
+# without reading it, so per-request access logs could fill the pipe and stall it.
+QUIET = ("--log-level", "warning", "--threads", "1")
+
 CHAT_HELLO = {"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16, "stream": True}
 TEXT_ONCE = {"prompt": "Once upon a time", "max_tokens": 32, "stream": True}
 
@@ -56,11 +62,6 @@ def data_chunks(events: list[SSEEvent]) -> list[dict[str, Any]]:
     assert events[-1].raw == b"data: [DONE]\n\n"
     assert sum(e.data == "[DONE]" for e in events) == 1
     return [e.json() for e in events[:-1]]
-
-
-def post_sse(base: str, path: str, body: dict[str, Any], timeout: float = 60) -> httpx.Response:
-    r = httpx.post(f"{base}{path}", json=body, timeout=timeout)
-    return r
 
 
 def health(base: str) -> dict[str, Any]:
