@@ -57,6 +57,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -90,16 +91,17 @@ def model_path() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def make_messages(rep: int, idx: int, salt: int) -> list[dict[str, str]]:
+def make_messages(serial: int, idx: int) -> list[dict[str, str]]:
     """Distinct conversations of (near) equal token length.
 
-    The leading number makes every prompt differ from its first tokens on, so
-    sluice's prefix cache can reuse only the template's opening tokens (as for
-    the raw side, which starts from an empty cache every run).
+    ``serial`` numbers the measurement (never reused, not even when a disturbed
+    pair is measured again), so the leading tag makes every prompt differ from
+    its first content token on: sluice's prefix cache can only reuse the
+    template's opening ``<|im_start|>system\n`` (3 tokens), never a whole prompt.
     """
-    tag = 100 + (salt * 7 + rep * 31 + idx * 13) % 800
-    topic = SYSTEM_TOPICS[(rep * 5 + idx) % len(SYSTEM_TOPICS)]
-    question = QUESTIONS[(rep * 3 + idx) % len(QUESTIONS)]
+    tag = 100 + (serial * 8 + idx) % 900  # always 3 digits: same token count
+    topic = SYSTEM_TOPICS[(serial * 5 + idx) % len(SYSTEM_TOPICS)]
+    question = QUESTIONS[(serial * 3 + idx) % len(QUESTIONS)]
     return [
         {"role": "system", "content": f"{tag}. You are a patient tutor who likes {topic}."},
         {"role": "user", "content": question},
@@ -118,10 +120,11 @@ def pct(values: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def proc_cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (all threads), from /proc."""
+def proc_cpu_seconds(pid: int, tid: int | None = None) -> float:
+    """utime + stime of a process (all threads), or of one of its threads, from /proc."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = Path(path).read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
         return float("nan")
@@ -434,7 +437,7 @@ class StreamResult:
     t_first: float = 0.0  # first content delta
     t_done: float = 0.0  # [DONE] received
     raw: bytearray = field(default_factory=bytearray)
-    status: int = 0
+    reads: list[tuple[float, int]] = field(default_factory=list)  # (time, content frames)
 
 
 def _dechunk(body: bytes) -> bytes:
@@ -500,6 +503,9 @@ async def _one_stream(host: str, port: int, body: bytes, start: asyncio.Event, r
             break
         now = time.perf_counter()
         res.raw += data
+        k = data.count(marker)
+        if k:
+            res.reads.append((now, k))
         if not res.t_first and marker in tail + data:
             res.t_first = now
         if b"data: [DONE]" in tail + data:
@@ -531,10 +537,13 @@ def sluice_run(server: Server, conversations: list[list[dict[str, str]]], tokens
         }).encode()
         for conv in conversations
     ]
-    srv_cpu0 = proc_cpu_seconds(server.proc.pid)
+    pid = server.proc.pid
+    srv_cpu0 = proc_cpu_seconds(pid)
+    loop_cpu0 = proc_cpu_seconds(pid, pid)  # the main thread: asyncio loop, HTTP, SSE
     cli_cpu0 = time.process_time()
     results = asyncio.run(_run_streams("127.0.0.1", server.port, bodies))
-    srv_cpu = proc_cpu_seconds(server.proc.pid) - srv_cpu0
+    srv_cpu = proc_cpu_seconds(pid) - srv_cpu0
+    loop_cpu = proc_cpu_seconds(pid, pid) - loop_cpu0
     cli_cpu = time.process_time() - cli_cpu0
     parsed = [parse_sse(r) for r in results]
     for r, p in zip(results, parsed):
@@ -545,17 +554,28 @@ def sluice_run(server: Server, conversations: list[list[dict[str, str]]], tokens
     wall = max(r.t_done for r in results) - min(r.t_send for r in results)
     ttfts = [r.t_first - r.t_send for r in results]
     per_stream_dec = [(c - 1) / (r.t_done - r.t_first) for c, r in zip(comp, results)]
+    # Steady state: every stream is generating (after the last first token,
+    # before the first stream ends); content frames per second, all streams.
+    t1 = max(r.t_first for r in results)
+    t2 = min(max(t for t, _ in r.reads) for r in results)
+    in_window = sum(k for r in results for t, k in r.reads if t1 < t <= t2)
+    steady = in_window / (t2 - t1) if t2 > t1 else float("nan")
     return {
         "n": n,
         "completion_tokens": comp,
         "prompt_tokens": [p["usage"]["prompt_tokens"] for p in parsed],
+        "cached_tokens": [(p["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+                          for p in parsed],
         "wall_s": wall,
         "agg_tok_s": sum(comp) / wall,
         "decode_tok_s": sum(per_stream_dec),
+        "steady_decode_tok_s": steady,
+        "steady_window_s": t2 - t1,
         "ttft_s": ttfts,
         "frames": [p["frames"] for p in parsed],
         "finish": [p["finish"] for p in parsed],
         "server_cpu_s": srv_cpu,
+        "server_loop_thread_cpu_s": loop_cpu,
         "client_cpu_s": cli_cpu,
         "texts": [p["text"] for p in parsed],
     }
@@ -601,6 +621,48 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def system_busy_seconds() -> float:
+    """CPU seconds all processes on the machine have used (all cores), from /proc/stat."""
+    try:
+        parts = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in parts[:8])
+        return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError):
+        return float("nan")
+
+
+class Noise:
+    """CPU used by processes other than ours (server, raw worker, this one)."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = pids
+
+    def _ours(self) -> float:
+        return sum(proc_cpu_seconds(p) for p in self.pids) + time.process_time()
+
+    def start(self) -> None:
+        self._t = time.perf_counter()
+        self._busy = system_busy_seconds()
+        self._ours0 = self._ours()
+
+    def stop(self) -> float:
+        """Foreign CPU since start(), in cores (0.0 = nobody else ran, 1.0 = one busy core)."""
+        wall = time.perf_counter() - self._t
+        foreign = (system_busy_seconds() - self._busy) - (self._ours() - self._ours0)
+        return max(0.0, foreign) / wall if wall > 0 else 0.0
+
+    def wait_quiet(self, threshold: float, timeout: float) -> float:
+        """Wait (up to ``timeout`` s) until others use < ``threshold`` cores over 1 s."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.start()
+            time.sleep(1.0)
+            level = self.stop()
+            if level < threshold or time.monotonic() > deadline:
+                return level
+            print(f"  (machine busy: others use {level:.2f} cores; waiting)", flush=True)
+
+
 def loadavg() -> list[float]:
     try:
         return [round(x, 2) for x in os.getloadavg()]
@@ -626,15 +688,19 @@ def summarize(levels: list[int], raw: dict[int, list[dict]], slu: dict[int, list
             "raw_step_ms": med([x["step_ms_median"] for x in r]),
             "sluice_agg_tok_s": med([x["agg_tok_s"] for x in s]),
             "sluice_decode_tok_s": med([x["decode_tok_s"] for x in s]),
+            "sluice_steady_decode_tok_s": med([x["steady_decode_tok_s"] for x in s]),
             "sluice_ttft_p50_ms": pct(slu_ttft, 50) * 1000,
             "sluice_ttft_p95_ms": pct(slu_ttft, 95) * 1000,
             "raw_cpu_s": med([x["proc_cpu_s"] for x in r]),
             "sluice_server_cpu_s": med([x["server_cpu_s"] for x in s]),
+            "sluice_loop_thread_cpu_s": med([x["server_loop_thread_cpu_s"] for x in s]),
             "client_cpu_s": med([x["client_cpu_s"] for x in s]),
+            "max_foreign_cores": max(x.get("foreign_cores", 0.0) for x in r + s),
         }
         # Ratios of the medians, and the median of per-repeat (paired) ratios.
         row["ratio_agg"] = row["sluice_agg_tok_s"] / row["raw_agg_tok_s"]
         row["ratio_decode"] = row["sluice_decode_tok_s"] / row["raw_decode_tok_s"]
+        row["ratio_steady_decode"] = row["sluice_steady_decode_tok_s"] / row["raw_decode_tok_s"]
         row["ratio_agg_paired_median"] = med(
             [b["agg_tok_s"] / a["agg_tok_s"] for a, b in zip(r, s)]
         )
@@ -647,7 +713,8 @@ def summarize(levels: list[int], raw: dict[int, list[dict]], slu: dict[int, list
 
 def table(levels: list[int], summary: dict[str, Any], markdown: bool) -> str:
     head = ["streams", "raw agg tok/s", "sluice agg tok/s", "agg ratio", "raw decode tok/s",
-            "sluice decode tok/s", "decode ratio", "raw TTFT ms", "sluice TTFT p50 / p95 ms"]
+            "sluice decode tok/s", "decode ratio", "sluice steady tok/s", "steady ratio",
+            "raw TTFT ms", "sluice TTFT p50 / p95 ms"]
     rows = []
     for n in levels:
         x = summary[str(n)]
@@ -655,7 +722,8 @@ def table(levels: list[int], summary: dict[str, Any], markdown: bool) -> str:
             f"{n}" + (" (vs raw single)" if n == 1 else f" (vs raw {n}-batched)"),
             f"{x['raw_agg_tok_s']:.1f}", f"{x['sluice_agg_tok_s']:.1f}", f"{x['ratio_agg']:.3f}",
             f"{x['raw_decode_tok_s']:.1f}", f"{x['sluice_decode_tok_s']:.1f}",
-            f"{x['ratio_decode']:.3f}", f"{x['raw_ttft_p50_ms']:.0f}",
+            f"{x['ratio_decode']:.3f}", f"{x['sluice_steady_decode_tok_s']:.1f}",
+            f"{x['ratio_steady_decode']:.3f}", f"{x['raw_ttft_p50_ms']:.0f}",
             f"{x['sluice_ttft_p50_ms']:.0f} / {x['sluice_ttft_p95_ms']:.0f}",
         ])
     if markdown:
@@ -681,6 +749,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=512, help="n_batch = n_ubatch (sluice default 512)")
     ap.add_argument("--port", type=int, default=0, help="port for sluice (default: a free one)")
     ap.add_argument("--out-dir", type=Path, default=HERE / "results")
+    ap.add_argument("--quiet", type=float, default=0.15,
+                    help="a run is clean if other processes used at most this many cores (default 0.15)")
+    ap.add_argument("--quiet-timeout", type=float, default=60.0,
+                    help="seconds to wait for a quiet machine before each run (default 60)")
+    ap.add_argument("--max-retries", type=int, default=3,
+                    help="re-measure a raw/sluice pair disturbed by other processes (default 3)")
     ap.add_argument("--_raw-worker", dest="raw_worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.raw_worker:
@@ -698,35 +772,54 @@ def main() -> None:
     print(f"bench: threads={args.threads} parallel={args.parallel} ctx/seq={args.ctx} "
           f"tokens={tokens} repeats={repeats} levels={levels} load={load_start}", flush=True)
 
-    server = Server(args, args.out_dir / "sluice-server.log")
+    log_path = Path(tempfile.gettempdir()) / f"sluice-bench-server-{os.getpid()}.log"
+    server = Server(args, log_path)
     raw = RawWorker(args)
     try:
         # Same prompt lengths on both sides: checked against sluice's usage below.
-        salt = int(time.time()) % 997
+        serial = int(time.time()) % 900  # a new serial for every measured pair
         # warm-up (both sides, every level, short)
         for n in sorted(set(levels)):
-            convs = [make_messages(99, i, salt + n) for i in range(n)]
+            serial += 1
+            convs = [make_messages(serial, i) for i in range(n)]
             server.wait_idle()
             raw.run(convs, 16)
             sluice_run(server, convs, 16)
         raw_res: dict[int, list[dict]] = {n: [] for n in levels}
         slu_res: dict[int, list[dict]] = {n: [] for n in levels}
         checks: list[str] = []
+        noise = Noise([server.proc.pid, raw.proc.pid])
+        retried = 0
         for rep in range(repeats):
             for li, n in enumerate(levels):
-                convs = [make_messages(rep, i, salt + 1000 * li) for i in range(n)]
                 raw_first = (rep + li) % 2 == 0
-                for side in (("raw", "sluice") if raw_first else ("sluice", "raw")):
-                    server.wait_idle()
-                    time.sleep(0.3)  # let the other side's thread pool go to sleep
-                    if side == "raw":
-                        res = raw.run(convs, tokens)
-                        raw_res[n].append(res)
-                    else:
-                        res = sluice_run(server, convs, tokens)
-                        slu_res[n].append(res)
-                    print(f"  rep {rep + 1}/{repeats} n={n} {side:6s} agg {res['agg_tok_s']:7.1f} tok/s"
-                          f"  decode {res['decode_tok_s']:7.1f} tok/s", flush=True)
+                for attempt in range(args.max_retries + 1):
+                    serial += 1
+                    convs = [make_messages(serial, i) for i in range(n)]
+                    pair: dict[str, dict[str, Any]] = {}
+                    for side in (("raw", "sluice") if raw_first else ("sluice", "raw")):
+                        server.wait_idle()
+                        time.sleep(0.3)  # let the other side's thread pool go to sleep
+                        before = noise.wait_quiet(args.quiet, args.quiet_timeout)
+                        noise.start()
+                        res = raw.run(convs, tokens) if side == "raw" else sluice_run(server, convs, tokens)
+                        res["foreign_cores"] = noise.stop()
+                        res["foreign_cores_before"] = before
+                        pair[side] = res
+                        print(f"  rep {rep + 1}/{repeats} n={n} {side:6s} agg {res['agg_tok_s']:7.1f} tok/s"
+                              f"  decode {res['decode_tok_s']:7.1f} tok/s"
+                              f"  (others used {res['foreign_cores']:.2f} cores)", flush=True)
+                    worst = max(pair["raw"]["foreign_cores"], pair["sluice"]["foreign_cores"])
+                    if worst <= args.quiet or attempt == args.max_retries:
+                        if worst > args.quiet:
+                            checks.append(f"n={n} rep={rep}: kept a pair measured while others used "
+                                          f"{worst:.2f} cores")
+                        break
+                    retried += 1
+                    print(f"  (others used {worst:.2f} cores during the pair: measuring it again)",
+                          flush=True)
+                raw_res[n].append(pair["raw"])
+                slu_res[n].append(pair["sluice"])
                 r, s = raw_res[n][-1], slu_res[n][-1]
                 if r["prompt_tokens"] != s["prompt_tokens"]:
                     checks.append(f"n={n} rep={rep}: prompt tokens differ raw {r['prompt_tokens']} "
@@ -752,8 +845,10 @@ def main() -> None:
         x = summary[str(n)]
         print(f"n={n}: sluice/raw agg {x['ratio_agg']:.3f} (paired median {x['ratio_agg_paired_median']:.3f}), "
               f"decode {x['ratio_decode']:.3f} (paired {x['ratio_decode_paired_median']:.3f}); "
-              f"CPU s per run raw {x['raw_cpu_s']:.2f}, sluice server {x['sluice_server_cpu_s']:.2f}, "
-              f"client {x['client_cpu_s']:.2f}; raw step {x['raw_step_ms']:.2f} ms")
+              f"CPU s per run raw {x['raw_cpu_s']:.2f}, sluice server {x['sluice_server_cpu_s']:.2f} "
+              f"(loop thread {x['sluice_loop_thread_cpu_s']:.2f}), "
+              f"client {x['client_cpu_s']:.2f}; raw step {x['raw_step_ms']:.2f} ms; "
+              f"others used <= {x['max_foreign_cores']:.2f} cores")
     print(f"load average: start {load_start}, end {load_end}")
     for c in checks:
         print("check:", c)
@@ -761,7 +856,8 @@ def main() -> None:
     settings = {
         "threads": args.threads, "parallel": args.parallel, "ctx_per_seq": args.ctx,
         "n_batch": args.batch, "tokens_per_seq": tokens, "repeats": repeats, "levels": levels,
-        "quick": args.quick, "sampler": "logit_bias(EOG=-inf) + greedy (temperature 0, ignore_eos)",
+        "quick": args.quick, "quiet_threshold_cores": args.quiet, "pairs_remeasured": retried,
+        "sampler": "logit_bias(EOG=-inf) + greedy (temperature 0, ignore_eos)",
         "server_cmd": server.cmd, "raw_context": {k: v for k, v in raw.info.items() if k != "system_info"},
         "llama_system_info": raw.info.get("system_info"),
         "prompt_tokens": {str(n): raw_res[n][0]["prompt_tokens"] for n in levels},
@@ -790,7 +886,10 @@ def main() -> None:
         f"{mach['python']}, llama-cpp-python {mach['llama_cpp_python']}; load {load_start} -> {load_end}; "
         f"{started.date().isoformat()}.\n\n{md}\n\n"
         "agg = completion tokens / wall time (sluice: first request sent -> last stream done, "
-        "over HTTP/SSE); decode excludes time to first token; ratio = sluice / raw.\n"
+        "over HTTP/SSE); decode = tokens after the first / time after the first token, summed "
+        "over streams; steady = tokens per second while every stream is generating (raw: all "
+        "of its decode phase); TTFT = request sent -> first content delta (raw: prefill + first "
+        "sample); ratio = sluice / raw.\n"
     )
     md_path = args.out_dir / f"latest{suffix}.md"
     md_path.write_text(md_doc)

@@ -33,6 +33,12 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on /v1/* (default: none)")
     p.add_argument("--chat-template", help="Jinja chat template file overriding the model's own")
     p.add_argument(
+        "--tool-format",
+        choices=["hermes", "llama3", "mistral", "generic"],
+        help="how the model writes tool calls (default: detected from its chat template; "
+        "'generic' for templates without tool support)",
+    )
+    p.add_argument(
         "--strict-model-names",
         action="store_true",
         default=None,
@@ -70,6 +76,7 @@ def _serve(args: argparse.Namespace) -> int:
             api_key=args.api_key,
             chat_template=args.chat_template,
             strict_model_names=args.strict_model_names,
+            tool_format=args.tool_format,
             log_level=args.log_level,
         )
     except ValueError as exc:

@@ -20,6 +20,7 @@ class Settings:
     model: str = DEFAULT_MODEL  # packaged name or path to a .gguf
     chat_template: str | None = None  # path to a Jinja file overriding the GGUF's template
     strict_model_names: bool = False
+    tool_format: str | None = None  # hermes | llama3 | mistral | generic; default: from template
     # engine
     parallel: int = 4
     ctx: int = 4096  # tokens per sequence

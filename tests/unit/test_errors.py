@@ -237,14 +237,8 @@ def test_context_overflow_names_both_counts(base: str, runner: ScriptedRunner) -
 @pytest.mark.parametrize(
     ("path", "extra", "param"),
     [
-        (
-            CHAT,
-            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
-            "tools",
-        ),
-        (CHAT, {"tool_choice": "required"}, "tool_choice"),
-        (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
         (CHAT, {"functions": [{"name": "f"}]}, "functions"),
+        (CHAT, {"prediction": {"type": "content", "content": "x"}}, "prediction"),
         (TEXT, {"suffix": "tail"}, "suffix"),
     ],
 )
@@ -256,6 +250,30 @@ def test_unsupported_fields_are_400_naming_the_field(
     err = assert_error_json(r, 400, param=param)
     assert param in err["message"]
     assert err["code"] == "unsupported_parameter"
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [{"type": "function"}]}, "tools[0]"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+         "tools[0].function.name"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f"}}],
+             "tool_choice": {"type": "function", "function": {"name": "g"}}},
+            "tool_choice",
+        ),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+          "schema": {"type": "nonsense"}}}}, "response_format.json_schema.schema"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ],
+)
+def test_bad_tools_and_formats_are_400_naming_the_field(
+    base: str, extra: dict[str, Any], param: str
+) -> None:
+    r = httpx.post(base + CHAT, json={"messages": user("x"), **extra})
+    assert_error_json(r, 400, param=param)
 
 
 def test_unknown_fields_are_accepted(base: str) -> None:
@@ -271,12 +289,8 @@ def test_unknown_fields_are_accepted(base: str) -> None:
 def test_prestream_error_as_sse_frame_when_asked(base: str) -> None:
     cases = [
         (TEXT, {"prompt": "p" * 300}, 400, "context_length_exceeded"),
-        (
-            CHAT,
-            {"messages": user("x"), "tools": [{"type": "function"}]},
-            400,
-            "unsupported_parameter",
-        ),
+        (CHAT, {"messages": user("x"), "prediction": {"type": "content"}}, 400,
+         "unsupported_parameter"),
         (CHAT, {"messages": user("x"), "temperature": 9}, 400, None),
         (CHAT, {"messages": user("x"), "stop": list("abcde")}, 400, None),
     ]
@@ -303,8 +317,9 @@ def test_openai_sdk_gets_status_errors(base: str) -> None:
             messages=user("x"),
             stream=True,
             tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            tool_choice={"type": "function", "function": {"name": "nope"}},
         )
-    assert "tools" in str(info.value)
+    assert "tool_choice" in str(info.value)
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
         client.completions.create(model="m", prompt="p" * 500, stream=True)
 

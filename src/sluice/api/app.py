@@ -83,6 +83,7 @@ def build_state(settings: Settings, runner: ModelRunner) -> ServerState:
         ServiceOptions(
             strict_model_names=settings.strict_model_names,
             default_max_tokens=settings.default_max_tokens,
+            tool_format=settings.tool_format,
         ),
     )
     return ServerState(settings, engine, service)

@@ -108,14 +108,14 @@ async def _complete(
     if body.stream:
         formatter = ChatStreamFormatter(gen.meta) if chat else TextStreamFormatter(gen.meta)
         return SSEResponse(  # type: ignore[return-value]
-            sse_stream(stream.__aiter__(), formatter),
+            sse_stream(service.events(gen, stream), formatter),
             on_close=stream.close,
             ping_interval=state.settings.ping_interval,
         )
 
     async def fold() -> dict[str, Any]:
         acc = ResponseAccumulator(gen.meta)
-        async for event in stream:
+        async for event in service.events(gen, stream):
             acc.add(event)
         return acc.chat_completion() if chat else acc.text_completion()
 

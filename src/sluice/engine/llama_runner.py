@@ -207,6 +207,15 @@ class LlamaRunner:
         chain_params = L.llama_sampler_chain_default_params()
         chain_params.no_perf = True
         chain = L.llama_sampler_chain_init(chain_params)
+        if params.grammar:
+            grammar = self._grammar_sampler(params)
+            if not grammar:
+                L.llama_sampler_free(chain)
+                raise InvalidRequest(
+                    "The constraint grammar for this request could not be built "
+                    "(see the server log for llama.cpp's reason)."
+                )
+            L.llama_sampler_chain_add(chain, grammar)
         biases = list(params.logit_bias)
         if params.ignore_eos:
             biases += [(t, float("-inf")) for t in self._eog]
@@ -240,6 +249,19 @@ class LlamaRunner:
             seed = _DEFAULT_SEED if params.seed is None else params.seed & 0xFFFFFFFF
             L.llama_sampler_chain_add(chain, L.llama_sampler_init_dist(seed))
         return _Chain(chain)
+
+    def _grammar_sampler(self, params: SamplingParams) -> Any:
+        L = self._L
+        assert params.grammar is not None
+        text = params.grammar.encode()
+        if not params.grammar_triggers:
+            return L.llama_sampler_init_grammar(self._vocab, text, b"root")
+        patterns = (ctypes.c_char_p * len(params.grammar_triggers))(
+            *[p.encode() for p in params.grammar_triggers]
+        )
+        return L.llama_sampler_init_grammar_lazy_patterns(
+            self._vocab, text, b"root", patterns, len(params.grammar_triggers), None, 0
+        )
 
     def free_sampler(self, sampler: Any) -> None:
         assert isinstance(sampler, _Chain)
@@ -299,8 +321,14 @@ class LlamaRunner:
         )
 
     def _top(self, token: int, logprob: float) -> TopLogprob:
-        piece = self.token_bytes(token)
+        piece = self.token_bytes(token) or self._special_bytes(token)
         return TopLogprob(piece.decode("utf-8", "replace"), logprob, tuple(piece))
+
+    def _special_bytes(self, token: int) -> bytes:
+        """A control token's own text (``<|im_end|>``), for logprobs: it has no output text."""
+        buf = ctypes.create_string_buffer(256)
+        n = self._L.llama_token_to_piece(self._vocab, token, buf, 256, 0, True)
+        return buf.raw[: max(n, 0)]
 
     def close(self) -> None:
         L = self._L

@@ -31,6 +31,8 @@ class SamplingParams:
     seed: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     ignore_eos: bool = False
+    grammar: str | None = None  # GBNF; constrains every sampled token
+    grammar_triggers: tuple[str, ...] = ()  # regexes: the grammar engages once one matches
 
     @property
     def uses_penalties(self) -> bool:

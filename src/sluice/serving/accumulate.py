@@ -14,7 +14,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sluice.errors import EngineFailure, SluiceError
-from sluice.events import ErrorEvent, Event, Finish, Start, TextDelta, TokenLogprob
+from sluice.events import (
+    ErrorEvent,
+    Event,
+    Finish,
+    ReasoningDelta,
+    Start,
+    TextDelta,
+    TokenLogprob,
+    ToolCallDelta,
+    ToolCallStart,
+)
 from sluice.serving.formatters.base import UsageTotals
 from sluice.serving.formatters.openai import ResponseMeta, chat_logprobs, text_logprobs
 
@@ -24,8 +34,20 @@ class ChoiceState:
     """One choice being folded: one small state object per choice."""
 
     text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+
+    def message(self) -> dict[str, Any]:
+        content = "".join(self.text)
+        msg: dict[str, Any] = {"role": "assistant", "content": content}
+        if self.reasoning:
+            msg["reasoning_content"] = msg["reasoning"] = "".join(self.reasoning)
+        if self.tool_calls:
+            msg["content"] = content or None
+            msg["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
+        return msg
 
 
 class ResponseAccumulator:
@@ -50,6 +72,17 @@ class ResponseAccumulator:
                 state.logprobs.extend(event.logprobs)
             if not event.echo:
                 self.usage.add_tokens(event.choice, event.token_count)
+        elif isinstance(event, ReasoningDelta):
+            self.choices.setdefault(event.choice, ChoiceState()).reasoning.append(event.text)
+        elif isinstance(event, ToolCallStart):
+            self.choices.setdefault(event.choice, ChoiceState()).tool_calls[event.index] = {
+                "id": event.id,
+                "type": "function",
+                "function": {"name": event.name, "arguments": ""},
+            }
+        elif isinstance(event, ToolCallDelta):
+            call = self.choices[event.choice].tool_calls[event.index]
+            call["function"]["arguments"] += event.arguments
         elif isinstance(event, Finish):
             self.choices.setdefault(event.choice, ChoiceState()).finish_reason = event.reason
             self.usage.finish(event)
@@ -72,7 +105,7 @@ class ResponseAccumulator:
             choices.append(
                 {
                     "index": index,
-                    "message": {"role": "assistant", "content": "".join(state.text)},
+                    "message": state.message(),
                     "logprobs": chat_logprobs(state.logprobs) if self.meta.logprobs else None,
                     "finish_reason": state.finish_reason,
                 }

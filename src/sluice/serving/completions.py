@@ -16,16 +16,22 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sluice.engine.engine import Engine
 from sluice.engine.types import EngineRequest, SamplingParams
 from sluice.errors import InvalidRequest, ModelNotFound, UnsupportedParameter
+from sluice.events import Event
+from sluice.parsers.base import StreamParser
+from sluice.parsers.registry import detect_reasoning, detect_tool_format, template_opens_think
 from sluice.protocol.openai import ChatCompletionRequest, ChatMessage, CompletionRequest
 from sluice.serving.formatters.openai import ResponseMeta
+from sluice.serving.parsing import parse_stream
 from sluice.serving.stream import EventStream
 from sluice.serving.templates import ChatTemplate
+from sluice.serving.tools import OutputPlan, ReasoningMarkers
 
 log = logging.getLogger("sluice.serving")
 
@@ -34,6 +40,7 @@ log = logging.getLogger("sluice.serving")
 class ServiceOptions:
     strict_model_names: bool = False
     default_max_tokens: int | None = None  # chat; None = until EOS or end of context
+    tool_format: str | None = None  # hermes | llama3 | mistral | generic; None: from template
 
 
 @dataclass(slots=True)
@@ -43,6 +50,7 @@ class Generation:
     meta: ResponseMeta
     requests: list[EngineRequest]
     echo_texts: dict[int, str] = field(default_factory=dict)
+    parsers: Callable[[int], list[StreamParser]] | None = None  # per choice
 
 
 class CompletionService:
@@ -54,6 +62,10 @@ class CompletionService:
         self.template = template
         self.options = options
         self.model_id = self.runner.info.id
+        source = self.runner.info.chat_template if template.available else None
+        self.tool_format = options.tool_format or detect_tool_format(source)
+        markers = detect_reasoning(source)
+        self.reasoning = ReasoningMarkers(*markers) if markers else None
 
     # -- models --------------------------------------------------------------
 
@@ -92,18 +104,25 @@ class CompletionService:
     def prepare_chat(self, body: ChatCompletionRequest) -> Generation:
         _reject_unsupported_chat(body)
         model = self.resolve_model(body.model)
-        messages = [_template_message(i, m) for i, m in enumerate(body.messages)]
-        extra = dict(body.chat_template_kwargs or {})
+        plan = OutputPlan.build(body, fmt=self.tool_format, reasoning=self.reasoning)
+        messages = plan.prepare_messages(
+            [_template_message(i, m) for i, m in enumerate(body.messages)]
+        )
+        extra = {**plan.template_extra(), **(body.chat_template_kwargs or {})}
         if body.reasoning_effort is not None:
             extra.setdefault("reasoning_effort", body.reasoning_effort)
         prompt_text = self.template.render(messages, extra=extra)
+        if plan.reasoning is not None:
+            plan.reasoning_opened = template_opens_think(prompt_text)
         tokens = self._tokenize_prompt(prompt_text)
         self.engine.check_prompt(len(tokens))
         top_n = body.top_logprobs_n()
         limit = body.token_limit()
         if limit is None:
             limit = self.options.default_max_tokens
-        sampling = body.sampling_params()
+        sampling = replace(
+            body.sampling_params(), grammar=plan.grammar, grammar_triggers=plan.triggers
+        )
         requests = [
             EngineRequest(
                 prompt_tokens=tokens,
@@ -124,7 +143,7 @@ class CompletionService:
             continuous_usage=body.continuous_usage,
             logprobs=top_n is not None,
         )
-        return Generation(meta, requests)
+        return Generation(meta, requests, parsers=plan.parsers if plan.has_parsers else None)
 
     # -- text ----------------------------------------------------------------
 
@@ -184,6 +203,12 @@ class CompletionService:
         """Submit to the engine (capacity is checked here) and return the stream."""
         return EventStream.open(self.engine, gen.requests, gen.echo_texts)
 
+    def events(self, gen: Generation, stream: EventStream) -> AsyncIterator[Event]:
+        """The response's events: the engine's, through the output parsers if any."""
+        if gen.parsers is None:
+            return stream.__aiter__()
+        return parse_stream(stream.__aiter__(), gen.parsers)
+
     def _tokenize_prompt(self, text: str) -> list[int]:
         info = self.runner.info
         # A template that writes the BOS itself must not get a second one.
@@ -199,14 +224,10 @@ def _choice_seed(sampling: SamplingParams, index: int) -> SamplingParams:
 
 
 def _reject_unsupported_chat(body: ChatCompletionRequest) -> None:
-    if body.tools:
-        raise UnsupportedParameter("tools", "are not supported by this server yet")
-    if body.tool_choice not in (None, "none", "auto"):
-        raise UnsupportedParameter("tool_choice", "is not supported by this server yet")
     if body.functions or body.function_call:
-        raise UnsupportedParameter("functions", "(the deprecated function-calling API) is not supported")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise UnsupportedParameter("response_format", "other than 'text' is not supported yet")
+        raise UnsupportedParameter(
+            "functions", "(the deprecated function-calling API) is not supported; use 'tools'"
+        )
     if body.audio is not None or (body.modalities and set(body.modalities) - {"text"}):
         raise UnsupportedParameter("modalities", "other than text are not supported")
     if body.prediction is not None:

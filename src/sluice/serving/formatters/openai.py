@@ -21,7 +21,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sluice.events import Event, Finish, Start, TextDelta, TokenLogprob
+from sluice.events import (
+    Event,
+    Finish,
+    ReasoningDelta,
+    Start,
+    TextDelta,
+    TokenLogprob,
+    ToolCallDelta,
+    ToolCallStart,
+)
 from sluice.serving.formatters.base import Frame, UsageTotals
 
 
@@ -126,6 +135,21 @@ class ChatStreamFormatter(_StreamFormatter):
                 return []  # never an empty content chunk (pitfall 4)
             lps = chat_logprobs(event.logprobs) if self.meta.logprobs and event.logprobs else None
             return [self._choice(event.choice, {"content": event.text}, logprobs=lps)]
+        if isinstance(event, ReasoningDelta):
+            if not event.text:
+                return []
+            # Both names: reasoning_content (DeepSeek, vLLM, llama.cpp) and reasoning (newer).
+            return [self._choice(event.choice, {"reasoning_content": event.text,
+                                                "reasoning": event.text})]
+        if isinstance(event, ToolCallStart):
+            call = {"index": event.index, "id": event.id, "type": "function",
+                    "function": {"name": event.name, "arguments": ""}}
+            return [self._choice(event.choice, {"tool_calls": [call]})]
+        if isinstance(event, ToolCallDelta):
+            if not event.arguments:
+                return []
+            call = {"index": event.index, "function": {"arguments": event.arguments}}
+            return [self._choice(event.choice, {"tool_calls": [call]})]
         if isinstance(event, Finish):
             return [self._choice(event.choice, {}, finish=event.reason)]
         return []

@@ -1,0 +1,258 @@
+#!/usr/bin/env python
+"""Where sluice's time goes, without HTTP: per engine step and per SSE frame.
+
+A diagnostic companion to ``bench.py`` (it does not change ``src/``):
+
+1. **engine step**: the real :class:`sluice.engine.engine.Engine` on the real
+   :class:`LlamaRunner` (same context as ``sluice serve --parallel P``), N
+   sequences, events into a plain thread-safe sink. ``runner.decode`` and
+   ``runner.sample`` are timed, so each step splits into llama_decode /
+   sampling / Python bookkeeping. The same N sequences then run through
+   ``bench.RawEngine``'s loop in the same process for the anchor.
+   ``--cprofile`` also profiles the engine thread with cProfile.
+2. **SSE frame**: the serving path for one content token with no engine and no
+   socket: ``ChatStreamFormatter.frames`` + ``sse.encode``, ``sse_stream``, and
+   ``SSEResponse._produce`` against a no-op ``send``; microseconds per frame.
+
+Usage::
+
+    python benchmarks/profile_engine.py --n 8 --tokens 128 [--cprofile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import io
+import os
+import pstats
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench  # noqa: E402
+
+
+def engine_profile(args: argparse.Namespace) -> None:
+    from sluice.engine.engine import Engine, EngineConfig
+    from sluice.engine.llama_runner import LlamaRunner, LlamaRunnerConfig
+    from sluice.engine.types import EngineRequest, SamplingParams
+    from sluice.events import Finish
+
+    runner = LlamaRunner.load(LlamaRunnerConfig(
+        model_path=str(bench.model_path()), n_parallel=args.parallel, n_ctx=args.ctx,
+        n_batch=512, n_threads=args.threads,
+    ))
+    timers = {"decode": 0.0, "sample": 0.0, "n_decode": 0, "n_sample": 0}
+    orig_decode, orig_sample = runner.decode, runner.sample
+    layouts: list[tuple[int, ...]] = []
+
+    def decode(entries):  # type: ignore[no-untyped-def]
+        layouts.append(tuple(e.seq for e in entries))
+        t = time.perf_counter()
+        try:
+            return orig_decode(entries)
+        finally:
+            timers["decode"] += time.perf_counter() - t
+            timers["n_decode"] += 1
+
+    def sample(sampler, row):  # type: ignore[no-untyped-def]
+        t = time.perf_counter()
+        try:
+            return orig_sample(sampler, row)
+        finally:
+            timers["sample"] += time.perf_counter() - t
+            timers["n_sample"] += 1
+
+    runner.decode = decode  # type: ignore[method-assign]
+    runner.sample = sample  # type: ignore[method-assign]
+
+    prof = cProfile.Profile() if args.cprofile else None
+    step_times: list[float] = []
+
+    class ProfiledEngine(Engine):
+        def _step(self) -> None:  # type: ignore[override]
+            t = time.perf_counter()
+            super()._step()
+            step_times.append(time.perf_counter() - t)
+
+        def _run(self) -> None:  # type: ignore[override]
+            if prof is not None:
+                prof.enable()
+            try:
+                super()._run()
+            finally:
+                if prof is not None:
+                    prof.disable()
+
+    class Sink:
+        def __init__(self, n: int) -> None:
+            self.left = n
+            self.done = threading.Event()
+            self.calls = 0
+
+        def put_many(self, events):  # type: ignore[no-untyped-def]
+            self.calls += 1
+            for e in events:
+                if isinstance(e, Finish):
+                    self.left -= 1
+                    if self.left == 0:
+                        self.done.set()
+
+    raw = bench.RawEngine(str(bench.model_path()), args.threads, args.parallel, args.ctx, 512)
+    engine = ProfiledEngine(runner, EngineConfig(n_parallel=args.parallel, max_queue=16))
+    engine.start()
+    try:
+        results = []
+        for rep in range(args.repeats):
+            convs = [bench.make_messages(500 + rep, i) for i in range(args.n)]
+            # sluice engine (no HTTP)
+            prompts = [raw.tokenize(raw.render(c)) for c in convs]
+            reqs = [EngineRequest(prompt_tokens=p, max_tokens=args.tokens,
+                                  sampling=SamplingParams(temperature=0.0, ignore_eos=True))
+                    for p in prompts]
+            for k in timers:
+                timers[k] = 0 if k.startswith("n_") else 0.0
+            step_times.clear()
+            layouts.clear()
+            sink = Sink(args.n)
+            time.sleep(0.3)
+            t0 = time.perf_counter()
+            engine.submit(reqs, sink)
+            sink.done.wait()
+            wall = time.perf_counter() - t0
+            eng = {
+                "wall_s": wall, "steps": len(step_times),
+                "step_ms_median": statistics.median(step_times) * 1000,
+                "decode_s": timers["decode"], "sample_s": timers["sample"],
+                "other_s": sum(step_times) - timers["decode"] - timers["sample"],
+                "outside_step_s": wall - sum(step_times),
+                "agg_tok_s": args.n * args.tokens / wall,
+            }
+            steady = layouts[len(layouts) // 2]
+            print(f"  engine batch layout mid-run: seqs {list(steady)}", flush=True)
+            time.sleep(0.3)
+            r = raw.run(convs, args.tokens)
+            results.append((eng, r))
+            print(f"rep {rep + 1}: engine {eng['agg_tok_s']:.1f} tok/s, raw {r['agg_tok_s']:.1f} tok/s "
+                  f"(ratio {eng['agg_tok_s'] / r['agg_tok_s']:.3f})", flush=True)
+        eng_med = {k: statistics.median(e[k] for e, _ in results) for k in results[0][0]}
+        raw_med = {k: statistics.median(r[k] for _, r in results) for k in
+                   ("total_s", "agg_tok_s", "llama_decode_s", "sample_s", "step_ms_median")}
+        n_steps = eng_med["steps"]
+        print(f"\nengine-only, n={args.n}, {args.tokens} tokens, median of {args.repeats}:")
+        print(f"  sluice engine: {eng_med['agg_tok_s']:.1f} tok/s, wall {eng_med['wall_s']:.3f} s, "
+              f"{n_steps:.0f} steps, step median {eng_med['step_ms_median']:.2f} ms")
+        print(f"    per step: llama_decode {eng_med['decode_s'] / n_steps * 1000:.3f} ms, "
+              f"sample {eng_med['sample_s'] / n_steps * 1000:.3f} ms, "
+              f"python in _step {eng_med['other_s'] / n_steps * 1e6:.0f} us, "
+              f"outside _step (loop, drain, snapshot, admit) {eng_med['outside_step_s'] / n_steps * 1e6:.0f} us")
+        rs = args.tokens - 1
+        print(f"  raw loop:      {raw_med['agg_tok_s']:.1f} tok/s, wall {raw_med['total_s']:.3f} s, "
+              f"step median {raw_med['step_ms_median']:.2f} ms; per decode step: llama_decode "
+              f"{raw_med['llama_decode_s'] / rs * 1000:.3f} ms, sample {raw_med['sample_s'] / rs * 1000:.3f} ms")
+        print(f"  ratio engine/raw: {eng_med['agg_tok_s'] / raw_med['agg_tok_s']:.3f}")
+    finally:
+        engine.stop()
+        runner.close()
+    if prof is not None:
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
+        print("\ncProfile of the engine thread (all repeats), by tottime:")
+        print(s.getvalue())
+
+
+def frame_profile(n_frames: int) -> None:
+    from sluice.api.sse import SSEResponse, encode, sse_stream
+    from sluice.events import TextDelta
+    from sluice.serving.formatters.openai import ChatStreamFormatter, ResponseMeta
+
+    meta = ResponseMeta(id="chatcmpl-" + "0" * 32, created=int(time.time()),
+                        model="smollm2-135m-instruct", prompt_owners=frozenset({0}),
+                        include_usage=True)
+    fmt = ChatStreamFormatter(meta)
+    ev = TextDelta(0, " word", 1, None)
+    t = time.perf_counter()
+    for _ in range(n_frames):
+        for f in fmt.frames(ev):
+            encode(f)
+    per_fmt = (time.perf_counter() - t) / n_frames
+
+    async def events():  # type: ignore[no-untyped-def]
+        for _ in range(n_frames):
+            yield ev
+
+    async def run_stream() -> float:
+        t = time.perf_counter()
+        async for _ in sse_stream(events(), ChatStreamFormatter(meta)):
+            pass
+        return (time.perf_counter() - t) / n_frames
+
+    async def run_response() -> float:
+        async def body():  # type: ignore[no-untyped-def]
+            chunk = b'data: {"x":1}\n\n'
+            for _ in range(n_frames):
+                yield chunk
+
+        async def send(msg):  # type: ignore[no-untyped-def]
+            return None
+
+        async def receive():  # type: ignore[no-untyped-def]
+            await asyncio.Event().wait()  # the client never disconnects
+
+        resp = SSEResponse(body(), on_close=lambda: None)
+        t = time.perf_counter()
+        await resp({"type": "http"}, receive, send)
+        return (time.perf_counter() - t) / n_frames
+
+    async def run_threadsafe() -> float:
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[list[object]] = asyncio.Queue()
+        done = asyncio.Event()
+
+        def producer() -> None:
+            for _ in range(n_frames):
+                loop.call_soon_threadsafe(q.put_nowait, [ev])
+
+        t = time.perf_counter()
+        th = threading.Thread(target=producer)
+        th.start()
+        for _ in range(n_frames):
+            await q.get()
+        th.join()
+        done.set()
+        return (time.perf_counter() - t) / n_frames
+
+    per_stream = asyncio.run(run_stream())
+    per_resp = asyncio.run(run_response())
+    per_ts = asyncio.run(run_threadsafe())
+    print(f"\nper SSE frame (one content token), {n_frames} frames, no socket:")
+    print(f"  ChatStreamFormatter.frames + encode: {per_fmt * 1e6:.1f} us")
+    print(f"  sse_stream (async gen + formatter + encode): {per_stream * 1e6:.1f} us")
+    print(f"  SSEResponse per chunk (whole ASGI response, no-op send): {per_resp * 1e6:.1f} us")
+    print(f"  engine->loop hand-off (call_soon_threadsafe + Queue.get): {per_ts * 1e6:.1f} us")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=8, help="sequences decoded together")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--parallel", type=int, default=8)
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--cprofile", action="store_true", help="cProfile the engine thread")
+    ap.add_argument("--frames-only", action="store_true", help="only the SSE frame micro-benchmark")
+    args = ap.parse_args()
+    if not args.frames_only:
+        engine_profile(args)
+    frame_profile(20000)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,263 @@
+"""Tools and structured output for a chat request: prompt, grammar, parsers.
+
+One :class:`OutputPlan` per request says how the prompt carries the tools
+(the template's own tool support, or a generic system prompt), which
+grammar constrains decoding, and which streaming parsers read the output.
+
+Example::
+
+    plan = OutputPlan.build(body, fmt="generic", reasoning=None)
+    messages = plan.prepare_messages(messages)
+    sampling = replace(sampling, grammar=plan.grammar, grammar_triggers=plan.triggers)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from sluice.engine.grammar import (
+    CallFraming,
+    ToolSpec,
+    json_object_grammar,
+    json_schema_grammar,
+    tool_call_grammar,
+)
+from sluice.errors import InvalidRequest
+from sluice.parsers import generic
+from sluice.parsers.base import StreamParser
+from sluice.parsers.reasoning import ReasoningParser
+from sluice.parsers.registry import tool_parser
+from sluice.protocol.openai import ChatCompletionRequest
+
+# How each family frames its calls; the parsers in sluice.parsers read exactly this.
+FRAMINGS: dict[str, CallFraming] = {
+    "hermes": CallFraming(call_open="<tool_call>\n", call_close="\n</tool_call>", sep="\n"),
+    "generic": CallFraming(call_open="<tool_call>\n", call_close="\n</tool_call>", sep="\n"),
+    "mistral": CallFraming(prefix="[TOOL_CALLS][", sep=", ", suffix="]"),
+    "llama3": CallFraming(args_key="parameters", sep="; "),
+}
+# Where a lazily applied grammar engages (None: no lazy grammar for that family).
+TRIGGERS: dict[str, str | None] = {
+    "hermes": re.escape("<tool_call>"),
+    "generic": re.escape("<tool_call>"),
+    "mistral": re.escape("[TOOL_CALLS]"),
+    "llama3": None,
+}
+MAX_PARALLEL_CALLS = 8
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningMarkers:
+    start: str
+    end: str
+
+
+@dataclass(slots=True)
+class OutputPlan:
+    """How one chat request's output is constrained and parsed."""
+
+    fmt: str
+    tools: list[dict[str, Any]] = field(default_factory=list)  # the functions offered
+    tool_choice: str = "none"  # none | auto | required | function:<name>
+    grammar: str | None = None
+    triggers: tuple[str, ...] = ()
+    reasoning: ReasoningMarkers | None = None
+    reasoning_opened: bool = False
+    raw_tool_choice: str | dict[str, Any] | None = None
+    parallel: bool = True
+
+    @classmethod
+    def build(
+        cls, body: ChatCompletionRequest, *, fmt: str, reasoning: ReasoningMarkers | None
+    ) -> OutputPlan:
+        tools = _validate_tools(body.tools)
+        choice = _tool_choice(body.tool_choice, tools)
+        plan = cls(
+            fmt=fmt,
+            tools=tools if choice != "none" else [],
+            tool_choice=choice,
+            reasoning=reasoning,
+            raw_tool_choice=body.tool_choice,
+            parallel=body.parallel_tool_calls is not False,
+        )
+        json_grammar = _response_format_grammar(body.response_format)
+        if choice in ("required",) or choice.startswith("function:"):
+            offered = tools if choice == "required" else [
+                t for t in tools if t["function"]["name"] == choice.split(":", 1)[1]
+            ]
+            plan.grammar = tool_call_grammar(
+                [ToolSpec(t["function"]["name"], t["function"].get("parameters") or {})
+                 for t in offered],
+                FRAMINGS[fmt],
+                max_calls=_max_calls(body.parallel_tool_calls, len(offered)),
+            )
+        elif json_grammar is not None:
+            plan.grammar = json_grammar
+        elif choice == "auto" and TRIGGERS.get(fmt):
+            plan.grammar = tool_call_grammar(
+                [ToolSpec(t["function"]["name"], t["function"].get("parameters") or {})
+                 for t in tools],
+                FRAMINGS[fmt],
+                max_calls=_max_calls(body.parallel_tool_calls, len(tools)),
+            )
+            plan.triggers = (str(TRIGGERS[fmt]),)
+        return plan
+
+    @property
+    def uses_tools(self) -> bool:
+        return bool(self.tools)
+
+    @property
+    def has_parsers(self) -> bool:
+        return self.uses_tools or self.reasoning is not None
+
+    def template_extra(self) -> dict[str, Any]:
+        """Variables for a template with its own tool support."""
+        if self.uses_tools and self.fmt != "generic":
+            return {"tools": self.tools}
+        return {}
+
+    def prepare_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Messages as the template should see them (tool history included)."""
+        if self.fmt != "generic":
+            return [_native_message(m) for m in messages]
+        out = [_generic_message(m) for m in messages]
+        if self.uses_tools:
+            prompt = generic.tool_system_prompt(self.tools, self.raw_tool_choice, self.parallel)
+            if out and out[0]["role"] == "system":
+                out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}".strip()}
+            else:
+                out.insert(0, {"role": "system", "content": prompt})
+        return out
+
+    def parsers(self, choice: int) -> list[StreamParser]:
+        """The chain of streaming parsers for one choice (reasoning first)."""
+        chain: list[StreamParser] = []
+        if self.reasoning is not None:
+            chain.append(
+                ReasoningParser(
+                    choice, self.reasoning.start, self.reasoning.end, opened=self.reasoning_opened
+                )
+            )
+        if self.uses_tools:
+            chain.append(tool_parser(self.fmt, choice))
+        return chain
+
+
+def _max_calls(parallel: bool | None, n_tools: int) -> int:
+    if parallel is False:
+        return 1
+    if parallel is None:
+        # OpenAI's default allows parallel calls; bound them by the tools offered so a
+        # small model cannot loop on one call until max_tokens cuts it.
+        return max(1, min(n_tools, MAX_PARALLEL_CALLS))
+    return MAX_PARALLEL_CALLS
+
+
+def _validate_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    names: set[str] = set()
+    for i, tool in enumerate(tools or []):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise InvalidRequest(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}",
+                                 param=f"tools[{i}]")
+        name = fn.get("name")
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name):
+            raise InvalidRequest(f"tools[{i}].function.name must be 1-64 of [A-Za-z0-9_.-]",
+                                 param=f"tools[{i}].function.name")
+        if name in names:
+            raise InvalidRequest(f"Duplicate tool name '{name}'", param=f"tools[{i}].function.name")
+        names.add(name)
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise InvalidRequest(f"tools[{i}].function.parameters must be a JSON schema object",
+                                 param=f"tools[{i}].function.parameters")
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _tool_choice(raw: str | dict[str, Any] | None, tools: list[dict[str, Any]]) -> str:
+    if raw is None:
+        return "auto" if tools else "none"
+    if isinstance(raw, str):
+        if raw not in ("none", "auto", "required"):
+            raise InvalidRequest("tool_choice must be none, auto, required or a function",
+                                 param="tool_choice")
+        if raw != "none" and not tools:
+            raise InvalidRequest(f"tool_choice '{raw}' needs 'tools'", param="tool_choice")
+        return raw
+    name = (raw.get("function") or {}).get("name") if isinstance(raw, dict) else None
+    if not isinstance(name, str):
+        raise InvalidRequest("tool_choice must name a function: "
+                             "{'type': 'function', 'function': {'name': ...}}", param="tool_choice")
+    if name not in {t["function"]["name"] for t in tools}:
+        raise InvalidRequest(f"tool_choice names '{name}', which is not in 'tools'",
+                             param="tool_choice")
+    return f"function:{name}"
+
+
+def _response_format_grammar(fmt: dict[str, Any] | None) -> str | None:
+    if not fmt:
+        return None
+    kind = fmt.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json_object_grammar()
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise InvalidRequest("response_format.json_schema must be {'name': ..., 'schema': {...}}",
+                                 param="response_format.json_schema")
+        return json_schema_grammar(spec.get("schema") or {"type": "object"},
+                                   param="response_format.json_schema.schema")
+    raise InvalidRequest(f"response_format type '{kind}' is not one of text, json_object, "
+                         "json_schema", param="response_format.type")
+
+
+def _arguments_object(arguments: Any) -> Any:
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            return arguments
+    return arguments
+
+
+def _arguments_text(arguments: Any) -> str:
+    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+
+
+def _native_message(message: dict[str, Any]) -> dict[str, Any]:
+    """HF-convention templates expect tool-call arguments as objects."""
+    if not message.get("tool_calls"):
+        return message
+    calls = []
+    for call in message["tool_calls"]:
+        fn = dict(call.get("function") or {})
+        fn["arguments"] = _arguments_object(fn.get("arguments", {}))
+        calls.append({**call, "function": fn})
+    return {**message, "tool_calls": calls}
+
+
+def _generic_message(message: dict[str, Any]) -> dict[str, Any]:
+    """Tool history written as plain text for templates that know no tools."""
+    if message["role"] == "tool":
+        return {"role": "user",
+                "content": f"<tool_response>\n{message.get('content') or ''}\n</tool_response>"}
+    if message["role"] == "assistant" and message.get("tool_calls"):
+        blocks = [
+            generic.tool_call_text(
+                (c.get("function") or {}).get("name", ""),
+                _arguments_text((c.get("function") or {}).get("arguments", {})),
+            )
+            for c in message["tool_calls"]
+        ]
+        text = "\n".join([message.get("content") or "", *blocks]).strip()
+        rest = {k: v for k, v in message.items() if k != "tool_calls"}
+        return {**rest, "content": text}
+    return message
