@@ -99,7 +99,7 @@ class ScriptedRunner:
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]:
         return [ord(c) for c in text]
 
-    def token_bytes(self, token: int) -> bytes:
+    def token_bytes(self, token: int, special: bool = False) -> bytes:
         if token >= _PIECE_BASE:
             return self._by_id[token]
         if token == EOS_ID:

@@ -6,8 +6,8 @@ import contextlib
 import os
 import socket
 import subprocess
-import tempfile
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -50,7 +50,7 @@ def serve_process(*args: str, env: dict[str, str] | None = None) -> Iterator[str
     port = free_port()
     cmd = [sys.executable, "-m", "sluice", "serve", "--port", str(port), *args]
     # Output goes to a file, not a pipe nobody drains (a full pipe would block the server).
-    log_file = tempfile.TemporaryFile()
+    log_file = tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below
     proc = subprocess.Popen(
         cmd, env={**os.environ, **(env or {})}, stdout=log_file, stderr=subprocess.STDOUT
     )

@@ -123,14 +123,14 @@ def test_required_tool_choice_always_yields_valid_calls(client: OpenAI, model_id
 
 
 def test_named_tool_choice_streamed_equals_non_streamed(client: OpenAI, model_id: str) -> None:
-    kwargs: dict[str, Any] = dict(
-        model=model_id,
-        messages=[{"role": "user", "content": "Find books about whales."}],
-        tools=[WEATHER, SEARCH],
-        tool_choice={"type": "function", "function": {"name": "search_books"}},
-        temperature=0,
-        max_tokens=160,
-    )
+    kwargs: dict[str, Any] = {
+        "model": model_id,
+        "messages": [{"role": "user", "content": "Find books about whales."}],
+        "tools": [WEATHER, SEARCH],
+        "tool_choice": {"type": "function", "function": {"name": "search_books"}},
+        "temperature": 0,
+        "max_tokens": 160,
+    }
     calls, finish, _ = _stream_calls(client, **kwargs)
     whole = client.chat.completions.create(**kwargs)
     message = whole.choices[0].message
@@ -157,15 +157,17 @@ def test_json_schema_response_format_validates(client: OpenAI, model_id: str) ->
     }
     for stream in (False, True):
         for seed in range(3):
-            kwargs: dict[str, Any] = dict(
-                model=model_id,
-                messages=[{"role": "user", "content": "Describe a person as JSON."}],
-                response_format={"type": "json_schema",
-                                 "json_schema": {"name": "person", "schema": schema, "strict": True}},
-                temperature=0.8,
-                seed=seed,
-                max_tokens=200,
-            )
+            kwargs: dict[str, Any] = {
+                "model": model_id,
+                "messages": [{"role": "user", "content": "Describe a person as JSON."}],
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "person", "schema": schema, "strict": True},
+                },
+                "temperature": 0.8,
+                "seed": seed,
+                "max_tokens": 200,
+            }
             if stream:
                 text = "".join(
                     c.choices[0].delta.content or ""

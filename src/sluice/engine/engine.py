@@ -380,7 +380,8 @@ class Engine:
             reason = "stop"
         else:
             lp = runner.logprobs(row, token, req.logprobs) if req.logprobs is not None else None
-            ready, stop_hit = work.text.feed_token(runner.token_bytes(token), lp)
+            piece = runner.token_bytes(token, req.render_special)
+            ready, stop_hit = work.text.feed_token(piece, lp)
             self._emit_text(work, ready, events)
             if stop_hit is not None:
                 reason = "stop"

@@ -107,6 +107,7 @@ class LlamaRunner:
         self._batch = L.llama_batch_init(self.n_batch, 0, 1)
         self._piece_buf = ctypes.create_string_buffer(256)
         self._pieces: dict[int, bytes] = {}
+        self._special_pieces: dict[int, bytes] = {}
         self._eog = [t for t in range(self.n_vocab) if L.llama_vocab_is_eog(self._vocab, t)]
         self._eog_set = frozenset(self._eog)
         self.info = self._read_info()
@@ -183,13 +184,14 @@ class LlamaRunner:
             )
         return list(arr[:n])
 
-    def token_bytes(self, token: int) -> bytes:
-        piece = self._pieces.get(token)
+    def token_bytes(self, token: int, special: bool = False) -> bytes:
+        cache = self._special_pieces if special else self._pieces
+        piece = cache.get(token)
         if piece is None:
             buf = ctypes.create_string_buffer(256)
-            n = self._L.llama_token_to_piece(self._vocab, token, buf, 256, 0, False)
+            n = self._L.llama_token_to_piece(self._vocab, token, buf, 256, 0, special)
             piece = buf.raw[: max(n, 0)]
-            self._pieces[token] = piece
+            cache[token] = piece
         return piece
 
     def is_eog(self, token: int) -> bool:
@@ -321,14 +323,9 @@ class LlamaRunner:
         )
 
     def _top(self, token: int, logprob: float) -> TopLogprob:
-        piece = self.token_bytes(token) or self._special_bytes(token)
+        # A control token (``<|im_end|>``) has no output text; show its own text.
+        piece = self.token_bytes(token) or self.token_bytes(token, special=True)
         return TopLogprob(piece.decode("utf-8", "replace"), logprob, tuple(piece))
-
-    def _special_bytes(self, token: int) -> bytes:
-        """A control token's own text (``<|im_end|>``), for logprobs: it has no output text."""
-        buf = ctypes.create_string_buffer(256)
-        n = self._L.llama_token_to_piece(self._vocab, token, buf, 256, 0, True)
-        return buf.raw[: max(n, 0)]
 
     def close(self) -> None:
         L = self._L

@@ -58,6 +58,7 @@ class EngineRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     logprobs: int | None = None  # number of top alternatives; None = no logprobs
     echo: bool = False  # send the prompt back as text (text completions)
+    render_special: bool = False  # control tokens as text (tool markup like [TOOL_CALLS])
     choice: int = 0
     request_id: str = ""
 

@@ -131,6 +131,7 @@ class CompletionService:
                 sampling=_choice_seed(sampling, i),
                 logprobs=top_n,
                 choice=i,
+                render_special=plan.render_special,
             )
             for i in range(body.n)
         ]

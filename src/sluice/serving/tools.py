@@ -111,6 +111,11 @@ class OutputPlan:
         return bool(self.tools)
 
     @property
+    def render_special(self) -> bool:
+        """Llama 3 and Mistral write their call markers as control tokens."""
+        return self.uses_tools and self.fmt in ("llama3", "mistral")
+
+    @property
     def has_parsers(self) -> bool:
         return self.uses_tools or self.reasoning is not None
 
