@@ -137,6 +137,12 @@ def _visit(conv: Any, schema: Any, name: str, param: str) -> str:
     try:
         resolved = conv.resolve_refs(json.loads(json.dumps(schema)), name)
         return str(conv.visit(resolved, name))
+    except InvalidRequest as exc:
+        if exc.param is not None:
+            raise
+        # e.g. an empty integer range: name the field the schema came from.
+        message = f"Invalid JSON schema in '{param}': {exc.message}"
+        raise InvalidRequest(message, param=param) from exc
     except (AssertionError, KeyError, ValueError, TypeError, RecursionError) as exc:
         raise InvalidRequest(f"Invalid JSON schema in '{param}': {exc}", param=param) from exc
 

@@ -113,7 +113,10 @@ class CompletionService:
             extra.setdefault("reasoning_effort", body.reasoning_effort)
         prompt_text = self.template.render(messages, extra=extra)
         if plan.reasoning is not None:
-            plan.reasoning_opened = template_opens_think(prompt_text)
+            # A grammar that engages from the first token leaves no room for reasoning:
+            # the output is the answer (or the calls) even if the template opened a block.
+            constrained = plan.grammar is not None and not plan.triggers
+            plan.reasoning_opened = template_opens_think(prompt_text) and not constrained
         tokens = self._tokenize_prompt(prompt_text)
         self.engine.check_prompt(len(tokens))
         top_n = body.top_logprobs_n()
