@@ -389,12 +389,19 @@ def test_tool_choice_auto_is_a_lazy_grammar(tool_server: Server) -> None:
     prompt = tool_server.prompt(body)
     params = tool_server.last_params()
     assert params.grammar and re.search(r"^root ::= ", params.grammar, re.MULTILINE)
-    assert params.grammar_triggers == (re.escape("<tool_call>"),)
+    # One pattern, for llama.cpp's full-buffer regex_match: engages at the call tag
+    # wherever it appears, and the grammar starts at the tag (the capture group).
+    (trigger,) = params.grammar_triggers
+    rx = re.compile(trigger)
+    for text in ("<tool_call>", "Sure, let me check. <tool_call>\n{\"na"):
+        m = rx.fullmatch(text)
+        assert m is not None and text[m.start(1):].startswith("<tool_call>")
+    assert rx.fullmatch("Sure, let me check. <tool_") is None
     assert "get_weather" in params.grammar and "get_time" in params.grammar
     assert "get_weather" in prompt and "get_time" in prompt
     # No tool_choice with tools is "auto" too.
     tool_server.prompt(ask("auto choice", tools=TOOLS))
-    assert tool_server.last_params().grammar_triggers == (re.escape("<tool_call>"),)
+    assert tool_server.last_params().grammar_triggers == params.grammar_triggers
 
 
 @pytest.mark.parametrize("choice", ["required", "named"])

@@ -63,7 +63,7 @@ class OutputPlan:
     tools: list[dict[str, Any]] = field(default_factory=list)  # the functions offered
     tool_choice: str = "none"  # none | auto | required | function:<name>
     grammar: str | None = None
-    triggers: tuple[str, ...] = ()
+    trigger_tag: str | None = None  # regex of the call opening that engages a lazy grammar
     reasoning: ReasoningMarkers | None = None
     reasoning_opened: bool = False
     raw_tool_choice: str | dict[str, Any] | None = None
@@ -103,8 +103,28 @@ class OutputPlan:
                 FRAMINGS[fmt],
                 max_calls=_max_calls(body.parallel_tool_calls, len(tools)),
             )
-            plan.triggers = (str(TRIGGERS[fmt]),)
+            plan.trigger_tag = TRIGGERS[fmt]
         return plan
+
+    @property
+    def triggers(self) -> tuple[str, ...]:
+        """Lazy-grammar patterns, for llama.cpp's ``regex_match`` over the whole output.
+
+        The grammar takes over from the first capture group (the call opening),
+        and never inside a reasoning block: a call written while thinking is
+        not a call, and a grammar engaged there would keep the model from ever
+        closing its reasoning.
+        """
+        if self.trigger_tag is None:
+            return ()
+        lead = ""
+        if self.reasoning is not None:
+            start, end = re.escape(self.reasoning.start), re.escape(self.reasoning.end)
+            if self.reasoning_opened:
+                lead = rf"[\s\S]*?{end}"
+            else:
+                lead = rf"(?:\s*{start}[\s\S]*?{end}|(?!\s*{start}))"
+        return (rf"{lead}[\s\S]*?({self.trigger_tag})[\s\S]*",)
 
     @property
     def uses_tools(self) -> bool:
