@@ -147,8 +147,9 @@ def test_wrong_method_is_405_json(base: str) -> None:
             {
                 "messages": [{"role": "user", "content": "x"}],
                 "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
             },
-            "tools",
+            "tool_choice",
         ),
     ],
 )
