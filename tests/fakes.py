@@ -69,6 +69,7 @@ class ScriptedRunner:
     step_delay: float = 0.0  # seconds each decode takes
     chat_template: str | None = CHATML
     partial_keep: bool = True  # False: behave like a cache that cannot drop a suffix
+    dense_sequences: bool = True  # the engine compacts active sequences onto low ids
 
     def __post_init__(self) -> None:
         self.info = ModelInfo(
@@ -89,6 +90,7 @@ class ScriptedRunner:
         self._lock = threading.Lock()
         self.history: dict[int, list[int]] = {}
         self.decodes: list[list[BatchEntry]] = []
+        self.moves: list[tuple[int, int]] = []
         self.samplers: list[FakeSampler] = []
         self._rows: dict[int, int] = {}
         self._fail_next = False
@@ -138,6 +140,10 @@ class ScriptedRunner:
             return min(n_keep, len(hist))
         hist.clear()
         return 0
+
+    def move_sequence(self, src: int, dst: int) -> None:
+        self.moves.append((src, dst))
+        self.history[dst] = self.history.pop(src, [])
 
     def decode(self, entries: list[BatchEntry]) -> None:
         if self.step_delay:

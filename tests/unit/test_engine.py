@@ -105,6 +105,32 @@ def test_concurrent_streams_are_batched_not_serialized() -> None:
         wait_idle(base)
 
 
+def test_active_sequences_are_compacted_onto_consecutive_ids() -> None:
+    """llama.cpp runs one ubatch per run of consecutive seq ids: keep them dense."""
+    lengths = {0: 30, 1: 4, 2: 30, 3: 6}  # 1 and 3 finish early and leave holes
+    scripts = {
+        prompt_for(f"d{i}"): [f"<{i}:{k}>".encode() for k in range(n)] + [EOS]
+        for i, n in lengths.items()
+    }
+    runner = ScriptedRunner(scripts, step_delay=0.005)
+    with scripted_server(runner, parallel=4, queue=4) as base:
+        jobs = [
+            Background(
+                lambda i=i: post_stream(base, CHAT, {"messages": user(f"d{i}"), "stream": True})
+            )
+            for i in range(4)
+        ]
+        results: list[StreamResult] = [job.result() for job in jobs]
+        for i, res in enumerate(results):
+            # Moved sequences keep their own output: the KV cache moved with them.
+            assert chat_text(res.chunks) == "".join(f"<{i}:{k}>" for k in range(lengths[i]))
+        assert runner.moves, "a hole at a low id should have been filled"
+        for entries in runner.decodes:
+            seqs = sorted({e.seq for e in entries})
+            assert seqs == list(range(len(seqs))), seqs  # always 0..n-1
+        wait_idle(base)
+
+
 # -- capacity --------------------------------------------------------------------------------
 
 

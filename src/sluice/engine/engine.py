@@ -228,7 +228,9 @@ class Engine:
                     break
                 # 2. Admit queued work into idle slots (prefix-cache aware).
                 self._admit()
-                # 3. One decode over every active sequence, then sample.
+                # 3. Keep the active sequences on the lowest sequence ids (see _compact).
+                self._compact()
+                # 4. One decode over every active sequence, then sample.
                 self._step()
                 self.stats = self._snapshot()
         except Exception as exc:  # pragma: no cover - last-resort guard
@@ -290,6 +292,27 @@ class Engine:
             self._counters["cached"] += kept
             # Prompt processing begins (LM Studio's prompt_processing.start).
             _deliver(work.sink, [Progress(work.req.choice, "prompt_processing", kept, len(prompt), kept)])
+
+    def _compact(self) -> None:
+        """Move the highest active sequence into the lowest idle slot, until dense.
+
+        llama.cpp splits a batch over per-sequence KV streams into one ubatch
+        per run of consecutive sequence ids, so decoding seqs {0, 2, 5, 7}
+        costs four graph runs where {0, 1, 2, 3} costs one (measured: -35%
+        throughput at 4 streams). A move is a KV copy inside the next decode,
+        far cheaper than the steps it saves.
+        """
+        if not self.runner.dense_sequences:
+            return
+        while True:
+            idle = [s for s in self._slots if s.state is SlotState.IDLE]
+            busy = [s for s in self._slots if s.state is not SlotState.IDLE]
+            if not idle or not busy or idle[0].seq > busy[-1].seq:
+                return
+            dst, src = idle[0], busy[-1]
+            self.runner.move_sequence(src.seq, dst.seq)
+            dst.state, dst.cache, dst.work = src.state, src.cache, src.work
+            src.state, src.cache, src.work = SlotState.IDLE, [], None
 
     def _step(self) -> None:
         views = [

@@ -104,6 +104,7 @@ class LlamaRunner:
         self.n_ctx_seq = int(L.llama_n_ctx_seq(ctx))
         self.n_seq_max = int(L.llama_n_seq_max(ctx))
         self.n_batch = int(L.llama_n_batch(ctx))
+        self.dense_sequences = True  # per-sequence KV streams: see Engine._compact
         self._batch = L.llama_batch_init(self.n_batch, 0, 1)
         self._piece_buf = ctypes.create_string_buffer(256)
         self._pieces: dict[int, bytes] = {}
@@ -280,6 +281,12 @@ class LlamaRunner:
         # Partial removal is not possible on every cache (SWA, recurrent): start over.
         L.llama_memory_seq_rm(self._mem, seq, -1, -1)
         return 0
+
+    def move_sequence(self, src: int, dst: int) -> None:
+        L = self._L
+        L.llama_memory_seq_rm(self._mem, dst, -1, -1)
+        L.llama_memory_seq_cp(self._mem, src, dst, -1, -1)  # across streams: copied at next decode
+        L.llama_memory_seq_rm(self._mem, src, -1, -1)
 
     def decode(self, entries: list[BatchEntry]) -> None:
         batch = self._batch

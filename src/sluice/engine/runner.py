@@ -60,6 +60,7 @@ class ModelRunner(Protocol):
     n_seq_max: int  # number of sequences (slots) the context holds
     n_batch: int  # max tokens per decode
     n_vocab: int
+    dense_sequences: bool  # decoding is fastest when active sequence ids are consecutive
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]: ...
 
@@ -75,6 +76,10 @@ class ModelRunner(Protocol):
 
     def keep_prefix(self, seq: int, n_keep: int) -> int:
         """Drop a sequence's cached positions from ``n_keep`` on; returns how many remain."""
+        ...
+
+    def move_sequence(self, src: int, dst: int) -> None:
+        """Move a sequence's whole KV cache to another (empty) sequence id."""
         ...
 
     def decode(self, entries: list[BatchEntry]) -> None:
