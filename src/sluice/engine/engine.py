@@ -324,7 +324,9 @@ class Engine:
             )
             for s in self._slots
         ]
-        plan = plan_batch(views, self.runner.n_batch)
+        # Entries in sequence-id order: llama.cpp puts only increasing, consecutive
+        # ids into one ubatch (see _compact).
+        plan = sorted(plan_batch(views, self.runner.n_batch), key=lambda p: p.seq)
         if not plan:
             return
         entries, rows = self._build_batch(plan)

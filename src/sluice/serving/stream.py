@@ -13,6 +13,8 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import threading
+import weakref
 from collections.abc import AsyncIterator, Mapping
 from typing import Protocol
 
@@ -29,20 +31,60 @@ class Submitter(Protocol):
     def abort(self, handle: EngineHandle) -> None: ...
 
 
-class _LoopSink:
-    """Receives events on the engine thread, hands them to the event loop."""
+class _Mailbox:
+    """One per event loop: the engine's deliveries of a step cost one wake-up.
 
-    __slots__ = ("_loop", "_queue")
+    The first delivery after a drain schedules the drain; the rest of the
+    step's deliveries (one per request) only append.
+    """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[asyncio.Queue[list[Event]], list[Event]]] = []
+        self._armed = False
+
+    def post(self, queue: asyncio.Queue[list[Event]], events: list[Event]) -> None:
+        with self._lock:
+            self._items.append((queue, events))
+            if self._armed:
+                return
+            self._armed = True
+        try:
+            self._loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._items, self._armed = self._items, [], False
+        for queue, events in items:
+            queue.put_nowait(events)
+
+
+_mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mailbox] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _mailbox(loop: asyncio.AbstractEventLoop) -> _Mailbox:
+    box = _mailboxes.get(loop)
+    if box is None:
+        box = _mailboxes[loop] = _Mailbox(loop)
+    return box
+
+
+class _LoopSink:
+    """Receives events on the engine thread, hands them to the event loop."""
+
+    __slots__ = ("_mailbox", "_queue")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._mailbox = _mailbox(loop)
         self._queue: asyncio.Queue[list[Event]] = asyncio.Queue()
 
     def put_many(self, events: list[Event]) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, events)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
+        self._mailbox.post(self._queue, events)
 
     async def get(self) -> list[Event]:
         return await self._queue.get()
