@@ -69,8 +69,22 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
 SYSTEM_TOPICS = [
-    "astronomy", "botany", "cooking", "geology", "history", "music", "sailing", "chess",
-    "poetry", "physics", "gardening", "weather", "painting", "railways", "bridges", "coffee",
+    "astronomy",
+    "botany",
+    "cooking",
+    "geology",
+    "history",
+    "music",
+    "sailing",
+    "chess",
+    "poetry",
+    "physics",
+    "gardening",
+    "weather",
+    "painting",
+    "railways",
+    "bridges",
+    "coffee",
 ]
 QUESTIONS = [
     "Explain in a few paragraphs how tides are caused and why there are two a day.",
@@ -204,8 +218,10 @@ class RawEngine:
     def render(self, messages: list[dict[str, str]]) -> str:
         assert self._template is not None, "the model has no chat template"
         return self._template.render(
-            messages=messages, add_generation_prompt=True,
-            bos_token=self.bos_text, eos_token=self.eos_text,
+            messages=messages,
+            add_generation_prompt=True,
+            bos_token=self.bos_text,
+            eos_token=self.eos_text,
         )
 
     def tokenize(self, text: str) -> list[int]:
@@ -229,7 +245,9 @@ class RawEngine:
         for i, t in enumerate(self.eog):
             arr[i].token = t
             arr[i].bias = float("-inf")
-        L.llama_sampler_chain_add(chain, L.llama_sampler_init_logit_bias(self.n_vocab, len(self.eog), arr))
+        L.llama_sampler_chain_add(
+            chain, L.llama_sampler_init_logit_bias(self.n_vocab, len(self.eog), arr)
+        )
         L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
         return chain
 
@@ -263,7 +281,9 @@ class RawEngine:
         batch.n_tokens = i
         if L.llama_decode(ctx, batch) != 0:
             raise SystemExit("raw: prefill decode failed")
-        out: list[list[int]] = [[int(L.llama_sampler_sample(chains[s], ctx, rows[s]))] for s in range(n)]
+        out: list[list[int]] = [
+            [int(L.llama_sampler_sample(chains[s], ctx, rows[s]))] for s in range(n)
+        ]
         t_first = time.perf_counter()
         # 2. decode: one token per sequence per step
         t_dec = 0.0
@@ -331,9 +351,17 @@ def raw_worker_main(args: argparse.Namespace) -> None:
 class RawWorker:
     def __init__(self, args: argparse.Namespace) -> None:
         cmd = [
-            sys.executable, str(Path(__file__).resolve()), "--_raw-worker",
-            "--threads", str(args.threads), "--parallel", str(args.parallel),
-            "--ctx", str(args.ctx), "--batch", str(args.batch),
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--_raw-worker",
+            "--threads",
+            str(args.threads),
+            "--parallel",
+            str(args.parallel),
+            "--ctx",
+            str(args.ctx),
+            "--batch",
+            str(args.batch),
         ]
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
@@ -391,9 +419,22 @@ class Server:
         self.port = args.port or free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         cmd = [
-            sys.executable, "-m", "sluice", "serve", "--port", str(self.port),
-            "--parallel", str(args.parallel), "--threads", str(args.threads),
-            "--ctx", str(args.ctx), "--batch", str(args.batch), "--log-level", "warning",
+            sys.executable,
+            "-m",
+            "sluice",
+            "serve",
+            "--port",
+            str(self.port),
+            "--parallel",
+            str(args.parallel),
+            "--threads",
+            str(args.threads),
+            "--ctx",
+            str(args.ctx),
+            "--batch",
+            str(args.batch),
+            "--log-level",
+            "warning",
         ]
         self.cmd = cmd
         self.log = open(log_path, "w")  # noqa: SIM115 - open for the life of the server
@@ -401,7 +442,9 @@ class Server:
         deadline = time.monotonic() + 120
         while True:
             if self.proc.poll() is not None:
-                raise SystemExit(f"bench: sluice exited (rc {self.proc.returncode}), see {log_path}")
+                raise SystemExit(
+                    f"bench: sluice exited (rc {self.proc.returncode}), see {log_path}"
+                )
             try:
                 self.health()
                 break
@@ -482,8 +525,14 @@ def parse_sse(res: StreamResult) -> dict[str, Any]:
     return {"text": "".join(text), "usage": usage, "frames": frames, "finish": finish}
 
 
-def _one_stream(sock: socket.socket, host: str, port: int, body: bytes,
-                start: threading.Event, res: StreamResult) -> None:
+def _one_stream(
+    sock: socket.socket,
+    host: str,
+    port: int,
+    body: bytes,
+    start: threading.Event,
+    res: StreamResult,
+) -> None:
     """One streaming request on a blocking socket, in its own thread.
 
     A blocking ``recv`` per chunk is the cheapest client there is in Python
@@ -528,8 +577,10 @@ def _run_streams(host: str, port: int, bodies: list[bytes]) -> list[StreamResult
         sock = socket.create_connection((host, port))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         socks.append(sock)
-    threads = [threading.Thread(target=_one_stream, args=(sk, host, port, b, start, r), daemon=True)
-               for sk, b, r in zip(socks, bodies, results)]
+    threads = [
+        threading.Thread(target=_one_stream, args=(sk, host, port, b, start, r), daemon=True)
+        for sk, b, r in zip(socks, bodies, results)
+    ]
     for t in threads:
         t.start()
     time.sleep(0.05)
@@ -539,12 +590,21 @@ def _run_streams(host: str, port: int, bodies: list[bytes]) -> list[StreamResult
     return results
 
 
-def sluice_run(server: Server, conversations: list[list[dict[str, str]]], tokens: int) -> dict[str, Any]:
+def sluice_run(
+    server: Server, conversations: list[list[dict[str, str]]], tokens: int
+) -> dict[str, Any]:
     bodies = [
-        json.dumps({
-            "model": "smollm2", "messages": conv, "stream": True, "temperature": 0,
-            "max_tokens": tokens, "ignore_eos": True, "stream_options": {"include_usage": True},
-        }).encode()
+        json.dumps(
+            {
+                "model": "smollm2",
+                "messages": conv,
+                "stream": True,
+                "temperature": 0,
+                "max_tokens": tokens,
+                "ignore_eos": True,
+                "stream_options": {"include_usage": True},
+            }
+        ).encode()
         for conv in conversations
     ]
     pid = server.proc.pid
@@ -574,8 +634,9 @@ def sluice_run(server: Server, conversations: list[list[dict[str, str]]], tokens
         "n": n,
         "completion_tokens": comp,
         "prompt_tokens": [p["usage"]["prompt_tokens"] for p in parsed],
-        "cached_tokens": [(p["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
-                          for p in parsed],
+        "cached_tokens": [
+            (p["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") for p in parsed
+        ],
         "wall_s": wall,
         "agg_tok_s": sum(comp) / wall,
         "decode_tok_s": sum(per_stream_dec),
@@ -617,8 +678,12 @@ def machine_info() -> dict[str, Any]:
 
     def git(*a: str) -> str | None:
         try:
-            return subprocess.run(["git", *a], check=False, cwd=REPO, capture_output=True, text=True,
-                                  timeout=10).stdout.strip() or None
+            return (
+                subprocess.run(
+                    ["git", *a], check=False, cwd=REPO, capture_output=True, text=True, timeout=10
+                ).stdout.strip()
+                or None
+            )
         except OSError:
             return None
 
@@ -687,7 +752,9 @@ def med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def summarize(levels: list[int], raw: dict[int, list[dict]], slu: dict[int, list[dict]]) -> dict[str, Any]:
+def summarize(
+    levels: list[int], raw: dict[int, list[dict]], slu: dict[int, list[dict]]
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for n in levels:
         r, s = raw[n], slu[n]
@@ -725,49 +792,95 @@ def summarize(levels: list[int], raw: dict[int, list[dict]], slu: dict[int, list
 
 
 def table(levels: list[int], summary: dict[str, Any], markdown: bool) -> str:
-    head = ["streams", "raw agg tok/s", "sluice agg tok/s", "agg ratio", "raw decode tok/s",
-            "sluice decode tok/s", "decode ratio", "sluice steady tok/s", "steady ratio",
-            "raw TTFT ms", "sluice TTFT p50 / p95 ms"]
+    head = [
+        "streams",
+        "raw agg tok/s",
+        "sluice agg tok/s",
+        "agg ratio",
+        "raw decode tok/s",
+        "sluice decode tok/s",
+        "decode ratio",
+        "sluice steady tok/s",
+        "steady ratio",
+        "raw TTFT ms",
+        "sluice TTFT p50 / p95 ms",
+    ]
     rows = []
     for n in levels:
         x = summary[str(n)]
-        rows.append([
-            f"{n}" + (" (vs raw single)" if n == 1 else f" (vs raw {n}-batched)"),
-            f"{x['raw_agg_tok_s']:.1f}", f"{x['sluice_agg_tok_s']:.1f}", f"{x['ratio_agg']:.3f}",
-            f"{x['raw_decode_tok_s']:.1f}", f"{x['sluice_decode_tok_s']:.1f}",
-            f"{x['ratio_decode']:.3f}", f"{x['sluice_steady_decode_tok_s']:.1f}",
-            f"{x['ratio_steady_decode']:.3f}", f"{x['raw_ttft_p50_ms']:.0f}",
-            f"{x['sluice_ttft_p50_ms']:.0f} / {x['sluice_ttft_p95_ms']:.0f}",
-        ])
+        rows.append(
+            [
+                f"{n}" + (" (vs raw single)" if n == 1 else f" (vs raw {n}-batched)"),
+                f"{x['raw_agg_tok_s']:.1f}",
+                f"{x['sluice_agg_tok_s']:.1f}",
+                f"{x['ratio_agg']:.3f}",
+                f"{x['raw_decode_tok_s']:.1f}",
+                f"{x['sluice_decode_tok_s']:.1f}",
+                f"{x['ratio_decode']:.3f}",
+                f"{x['sluice_steady_decode_tok_s']:.1f}",
+                f"{x['ratio_steady_decode']:.3f}",
+                f"{x['raw_ttft_p50_ms']:.0f}",
+                f"{x['sluice_ttft_p50_ms']:.0f} / {x['sluice_ttft_p95_ms']:.0f}",
+            ]
+        )
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
         lines += ["| " + " | ".join(r) + " |" for r in rows]
         return "\n".join(lines)
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
     fmt = "  ".join(f"{{:>{w}}}" for w in widths)
-    return "\n".join([fmt.format(*head), fmt.format(*("-" * w for w in widths))]
-                     + [fmt.format(*r) for r in rows])
+    return "\n".join(
+        [fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows]
+    )
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--quick", action="store_true", help="1 repeat, 32 tokens per sequence")
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                    help="llama.cpp threads for both sides (default: all cores, like sluice)")
-    ap.add_argument("--repeats", type=int, default=None, help="repeats per configuration (default 3)")
-    ap.add_argument("--tokens", type=int, default=None, help="tokens generated per sequence (default 128)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="llama.cpp threads for both sides (default: all cores, like sluice)",
+    )
+    ap.add_argument(
+        "--repeats", type=int, default=None, help="repeats per configuration (default 3)"
+    )
+    ap.add_argument(
+        "--tokens", type=int, default=None, help="tokens generated per sequence (default 128)"
+    )
     ap.add_argument("--levels", default="1,4,8", help="concurrency levels (default 1,4,8)")
-    ap.add_argument("--parallel", type=int, default=8, help="sluice --parallel / raw n_seq_max (default 8)")
-    ap.add_argument("--ctx", type=int, default=4096, help="context per sequence (sluice default 4096)")
-    ap.add_argument("--batch", type=int, default=512, help="n_batch = n_ubatch (sluice default 512)")
+    ap.add_argument(
+        "--parallel", type=int, default=8, help="sluice --parallel / raw n_seq_max (default 8)"
+    )
+    ap.add_argument(
+        "--ctx", type=int, default=4096, help="context per sequence (sluice default 4096)"
+    )
+    ap.add_argument(
+        "--batch", type=int, default=512, help="n_batch = n_ubatch (sluice default 512)"
+    )
     ap.add_argument("--port", type=int, default=0, help="port for sluice (default: a free one)")
     ap.add_argument("--out-dir", type=Path, default=HERE / "results")
-    ap.add_argument("--quiet", type=float, default=0.15,
-                    help="a run is clean if other processes used at most this many cores (default 0.15)")
-    ap.add_argument("--quiet-timeout", type=float, default=60.0,
-                    help="seconds to wait for a quiet machine before each run (default 60)")
-    ap.add_argument("--max-retries", type=int, default=3,
-                    help="re-measure a raw/sluice pair disturbed by other processes (default 3)")
+    ap.add_argument(
+        "--quiet",
+        type=float,
+        default=0.15,
+        help="a run is clean if other processes used at most this many cores (default 0.15)",
+    )
+    ap.add_argument(
+        "--quiet-timeout",
+        type=float,
+        default=60.0,
+        help="seconds to wait for a quiet machine before each run (default 60)",
+    )
+    ap.add_argument(
+        "--max-retries",
+        type=int,
+        default=3,
+        help="re-measure a raw/sluice pair disturbed by other processes (default 3)",
+    )
     ap.add_argument("--_raw-worker", dest="raw_worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.raw_worker:
@@ -782,8 +895,11 @@ def main() -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     started = _dt.datetime.now()
     load_start = loadavg()
-    print(f"bench: threads={args.threads} parallel={args.parallel} ctx/seq={args.ctx} "
-          f"tokens={tokens} repeats={repeats} levels={levels} load={load_start}", flush=True)
+    print(
+        f"bench: threads={args.threads} parallel={args.parallel} ctx/seq={args.ctx} "
+        f"tokens={tokens} repeats={repeats} levels={levels} load={load_start}",
+        flush=True,
+    )
 
     log_path = Path(tempfile.gettempdir()) / f"sluice-bench-server-{os.getpid()}.log"
     server = Server(args, log_path)
@@ -810,44 +926,65 @@ def main() -> None:
                     serial += 1
                     convs = [make_messages(serial, i) for i in range(n)]
                     pair: dict[str, dict[str, Any]] = {}
-                    for side in (("raw", "sluice") if raw_first else ("sluice", "raw")):
+                    for side in ("raw", "sluice") if raw_first else ("sluice", "raw"):
                         server.wait_idle()
                         time.sleep(0.3)  # let the other side's thread pool go to sleep
                         before = noise.wait_quiet(args.quiet, args.quiet_timeout)
                         noise.start()
-                        res = raw.run(convs, tokens) if side == "raw" else sluice_run(server, convs, tokens)
+                        res = (
+                            raw.run(convs, tokens)
+                            if side == "raw"
+                            else sluice_run(server, convs, tokens)
+                        )
                         res["foreign_cores"] = noise.stop()
                         res["foreign_cores_before"] = before
                         pair[side] = res
-                        print(f"  rep {rep + 1}/{repeats} n={n} {side:6s} agg {res['agg_tok_s']:7.1f} tok/s"
-                              f"  decode {res['decode_tok_s']:7.1f} tok/s"
-                              f"  (others used {res['foreign_cores']:.2f} cores)", flush=True)
+                        print(
+                            f"  rep {rep + 1}/{repeats} n={n} {side:6s} agg {res['agg_tok_s']:7.1f} tok/s"
+                            f"  decode {res['decode_tok_s']:7.1f} tok/s"
+                            f"  (others used {res['foreign_cores']:.2f} cores)",
+                            flush=True,
+                        )
                     worst = max(pair["raw"]["foreign_cores"], pair["sluice"]["foreign_cores"])
                     if worst <= args.quiet or attempt == args.max_retries:
                         if worst > args.quiet:
-                            checks.append(f"n={n} rep={rep}: kept a pair measured while others used "
-                                          f"{worst:.2f} cores")
+                            checks.append(
+                                f"n={n} rep={rep}: kept a pair measured while others used "
+                                f"{worst:.2f} cores"
+                            )
                         break
                     retried += 1
-                    print(f"  (others used {worst:.2f} cores during the pair: measuring it again)",
-                          flush=True)
+                    print(
+                        f"  (others used {worst:.2f} cores during the pair: measuring it again)",
+                        flush=True,
+                    )
                 raw_res[n].append(pair["raw"])
                 slu_res[n].append(pair["sluice"])
                 r, s = raw_res[n][-1], slu_res[n][-1]
                 if r["prompt_tokens"] != s["prompt_tokens"]:
-                    checks.append(f"n={n} rep={rep}: prompt tokens differ raw {r['prompt_tokens']} "
-                                  f"sluice {s['prompt_tokens']}")
+                    checks.append(
+                        f"n={n} rep={rep}: prompt tokens differ raw {r['prompt_tokens']} "
+                        f"sluice {s['prompt_tokens']}"
+                    )
                 if any(c != tokens for c in s["completion_tokens"]):
-                    checks.append(f"n={n} rep={rep}: sluice completion tokens {s['completion_tokens']}")
+                    checks.append(
+                        f"n={n} rep={rep}: sluice completion tokens {s['completion_tokens']}"
+                    )
                 same = sum(a == b for a, b in zip(r["texts"], s["texts"]))
                 s["texts_equal_to_raw"] = same
                 if same < n:
                     # Batched float math may legitimately flip a greedy tie late in a
                     # text; a stream that differs early points at a real bug (KV, slots).
-                    first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y),
-                                  min(len(a), len(b))) for a, b in zip(r["texts"], s["texts"])]
-                    checks.append(f"n={n} rep={rep}: {n - same}/{n} sluice greedy texts differ "
-                                  f"from raw (first differing character: {first})")
+                    first = [
+                        next(
+                            (i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))
+                        )
+                        for a, b in zip(r["texts"], s["texts"])
+                    ]
+                    checks.append(
+                        f"n={n} rep={rep}: {n - same}/{n} sluice greedy texts differ "
+                        f"from raw (first differing character: {first})"
+                    )
     finally:
         raw.close()
         server.close()
@@ -863,33 +1000,47 @@ def main() -> None:
     print()
     for n in levels:
         x = summary[str(n)]
-        print(f"n={n}: sluice/raw agg {x['ratio_agg']:.3f} (paired median {x['ratio_agg_paired_median']:.3f}), "
-              f"decode {x['ratio_decode']:.3f} (paired {x['ratio_decode_paired_median']:.3f}); "
-              f"CPU s per run raw {x['raw_cpu_s']:.2f}, sluice server {x['sluice_server_cpu_s']:.2f} "
-              f"(loop thread {x['sluice_loop_thread_cpu_s']:.2f}), "
-              f"client {x['client_cpu_s']:.2f}; raw step {x['raw_step_ms']:.2f} ms; "
-              f"others used <= {x['max_foreign_cores']:.2f} cores")
+        print(
+            f"n={n}: sluice/raw agg {x['ratio_agg']:.3f} (paired median {x['ratio_agg_paired_median']:.3f}), "
+            f"decode {x['ratio_decode']:.3f} (paired {x['ratio_decode_paired_median']:.3f}); "
+            f"CPU s per run raw {x['raw_cpu_s']:.2f}, sluice server {x['sluice_server_cpu_s']:.2f} "
+            f"(loop thread {x['sluice_loop_thread_cpu_s']:.2f}), "
+            f"client {x['client_cpu_s']:.2f}; raw step {x['raw_step_ms']:.2f} ms; "
+            f"others used <= {x['max_foreign_cores']:.2f} cores"
+        )
     targets = {}
     for n, goal in TARGETS.items():
         if str(n) in summary:
             x = summary[str(n)]
             targets[str(n)] = {
-                "goal": goal, "agg_ratio": x["ratio_agg"], "steady_ratio": x["ratio_steady_decode"],
+                "goal": goal,
+                "agg_ratio": x["ratio_agg"],
+                "steady_ratio": x["ratio_steady_decode"],
                 "met": x["ratio_agg"] >= goal,
             }
-            print(f"target n={n}: agg ratio {x['ratio_agg']:.3f} vs >= {goal} -> "
-                  f"{'met' if x['ratio_agg'] >= goal else 'NOT met'} "
-                  f"(steady decode ratio {x['ratio_steady_decode']:.3f})")
+            print(
+                f"target n={n}: agg ratio {x['ratio_agg']:.3f} vs >= {goal} -> "
+                f"{'met' if x['ratio_agg'] >= goal else 'NOT met'} "
+                f"(steady decode ratio {x['ratio_steady_decode']:.3f})"
+            )
     print(f"load average: start {load_start}, end {load_end}")
     for c in checks:
         print("check:", c)
 
     settings = {
-        "threads": args.threads, "parallel": args.parallel, "ctx_per_seq": args.ctx,
-        "n_batch": args.batch, "tokens_per_seq": tokens, "repeats": repeats, "levels": levels,
-        "quick": args.quick, "quiet_threshold_cores": args.quiet, "pairs_remeasured": retried,
+        "threads": args.threads,
+        "parallel": args.parallel,
+        "ctx_per_seq": args.ctx,
+        "n_batch": args.batch,
+        "tokens_per_seq": tokens,
+        "repeats": repeats,
+        "levels": levels,
+        "quick": args.quick,
+        "quiet_threshold_cores": args.quiet,
+        "pairs_remeasured": retried,
         "sampler": "logit_bias(EOG=-inf) + greedy (temperature 0, ignore_eos)",
-        "server_cmd": server.cmd, "raw_context": {k: v for k, v in raw.info.items() if k != "system_info"},
+        "server_cmd": server.cmd,
+        "raw_context": {k: v for k, v in raw.info.items() if k != "system_info"},
         "llama_system_info": raw.info.get("system_info"),
         "prompt_tokens": {str(n): raw_res[n][0]["prompt_tokens"] for n in levels},
     }
@@ -905,8 +1056,10 @@ def main() -> None:
         "summary": summary,
         "targets": targets,
         "checks": checks,
-        "runs": {"raw": {str(k): v for k, v in raw_res.items()},
-                 "sluice": {str(k): v for k, v in slu_res.items()}},
+        "runs": {
+            "raw": {str(k): v for k, v in raw_res.items()},
+            "sluice": {str(k): v for k, v in slu_res.items()},
+        },
     }
     reproduce = " ".join(
         ["python benchmarks/bench.py", f"--threads {args.threads}"]

@@ -46,10 +46,15 @@ def engine_profile(args: argparse.Namespace) -> None:
     from sluice.engine.types import EngineRequest, SamplingParams
     from sluice.events import Finish
 
-    runner = LlamaRunner.load(LlamaRunnerConfig(
-        model_path=str(bench.model_path()), n_parallel=args.parallel, n_ctx=args.ctx,
-        n_batch=512, n_threads=args.threads,
-    ))
+    runner = LlamaRunner.load(
+        LlamaRunnerConfig(
+            model_path=str(bench.model_path()),
+            n_parallel=args.parallel,
+            n_ctx=args.ctx,
+            n_batch=512,
+            n_threads=args.threads,
+        )
+    )
     timers = {"decode": 0.0, "sample": 0.0, "n_decode": 0, "n_sample": 0}
     orig_decode, orig_sample = runner.decode, runner.sample
     layouts: list[tuple[int, ...]] = []
@@ -108,13 +113,15 @@ def engine_profile(args: argparse.Namespace) -> None:
 
     # The anchor runs in its own process: two llama.cpp contexts driven from two
     # threads of one process get two OpenMP teams that slow each other down ~3x.
-    raw = bench.RawWorker(argparse.Namespace(
-        threads=args.threads, parallel=args.parallel, ctx=args.ctx, batch=512))
+    raw = bench.RawWorker(
+        argparse.Namespace(threads=args.threads, parallel=args.parallel, ctx=args.ctx, batch=512)
+    )
     from sluice.serving.templates import ChatTemplate
 
     info = runner.info
-    template = ChatTemplate(info.chat_template, bos_token=info.bos_token,
-                            eos_token=info.eos_token, model_id=info.id)
+    template = ChatTemplate(
+        info.chat_template, bos_token=info.bos_token, eos_token=info.eos_token, model_id=info.id
+    )
 
     def render(conv):  # type: ignore[no-untyped-def]
         return template.render(conv)
@@ -130,9 +137,14 @@ def engine_profile(args: argparse.Namespace) -> None:
             convs = [bench.make_messages(serial, i) for i in range(args.n)]
             # sluice engine (no HTTP)
             prompts = [runner.tokenize(render(c), add_special=False) for c in convs]
-            reqs = [EngineRequest(prompt_tokens=p, max_tokens=args.tokens,
-                                  sampling=SamplingParams(temperature=0.0, ignore_eos=True))
-                    for p in prompts]
+            reqs = [
+                EngineRequest(
+                    prompt_tokens=p,
+                    max_tokens=args.tokens,
+                    sampling=SamplingParams(temperature=0.0, ignore_eos=True),
+                )
+                for p in prompts
+            ]
             for k in timers:
                 timers[k] = 0 if k.startswith("n_") else 0.0
             step_times.clear()
@@ -147,9 +159,11 @@ def engine_profile(args: argparse.Namespace) -> None:
             wall = time.perf_counter() - t0
             f_eng = noise.stop()
             eng = {
-                "wall_s": wall, "steps": len(step_times),
+                "wall_s": wall,
+                "steps": len(step_times),
                 "step_ms_median": statistics.median(step_times) * 1000,
-                "decode_s": timers["decode"], "sample_s": timers["sample"],
+                "decode_s": timers["decode"],
+                "sample_s": timers["sample"],
                 "other_s": sum(step_times) - timers["decode"] - timers["sample"],
                 "outside_step_s": wall - sum(step_times),
                 "agg_tok_s": args.n * args.tokens / wall,
@@ -161,29 +175,40 @@ def engine_profile(args: argparse.Namespace) -> None:
             r = raw.run(convs, args.tokens)
             f_raw = noise.stop()
             clean = max(f_eng, f_raw) <= 0.15
-            print(f"rep {serial - 500}: engine {eng['agg_tok_s']:.1f} tok/s, raw {r['agg_tok_s']:.1f} tok/s "
-                  f"(ratio {eng['agg_tok_s'] / r['agg_tok_s']:.3f}; others used {f_eng:.2f} / "
-                  f"{f_raw:.2f} cores{'' if clean else ': discarded'}); engine batch seqs "
-                  f"mid-run {list(steady)}", flush=True)
+            print(
+                f"rep {serial - 500}: engine {eng['agg_tok_s']:.1f} tok/s, raw {r['agg_tok_s']:.1f} tok/s "
+                f"(ratio {eng['agg_tok_s'] / r['agg_tok_s']:.3f}; others used {f_eng:.2f} / "
+                f"{f_raw:.2f} cores{'' if clean else ': discarded'}); engine batch seqs "
+                f"mid-run {list(steady)}",
+                flush=True,
+            )
             if clean:
                 results.append((eng, r))
         if not results:
             sys.exit("profile: the machine never got quiet")
         eng_med = {k: statistics.median(e[k] for e, _ in results) for k in results[0][0]}
-        raw_med = {k: statistics.median(r[k] for _, r in results) for k in
-                   ("total_s", "agg_tok_s", "llama_decode_s", "sample_s", "step_ms_median")}
+        raw_med = {
+            k: statistics.median(r[k] for _, r in results)
+            for k in ("total_s", "agg_tok_s", "llama_decode_s", "sample_s", "step_ms_median")
+        }
         n_steps = eng_med["steps"]
         print(f"\nengine-only, n={args.n}, {args.tokens} tokens, median of {args.repeats}:")
-        print(f"  sluice engine: {eng_med['agg_tok_s']:.1f} tok/s, wall {eng_med['wall_s']:.3f} s, "
-              f"{n_steps:.0f} steps, step median {eng_med['step_ms_median']:.2f} ms")
-        print(f"    per step: llama_decode {eng_med['decode_s'] / n_steps * 1000:.3f} ms, "
-              f"sample {eng_med['sample_s'] / n_steps * 1000:.3f} ms, "
-              f"python in _step {eng_med['other_s'] / n_steps * 1e6:.0f} us, "
-              f"outside _step (loop, drain, snapshot, admit) {eng_med['outside_step_s'] / n_steps * 1e6:.0f} us")
+        print(
+            f"  sluice engine: {eng_med['agg_tok_s']:.1f} tok/s, wall {eng_med['wall_s']:.3f} s, "
+            f"{n_steps:.0f} steps, step median {eng_med['step_ms_median']:.2f} ms"
+        )
+        print(
+            f"    per step: llama_decode {eng_med['decode_s'] / n_steps * 1000:.3f} ms, "
+            f"sample {eng_med['sample_s'] / n_steps * 1000:.3f} ms, "
+            f"python in _step {eng_med['other_s'] / n_steps * 1e6:.0f} us, "
+            f"outside _step (loop, drain, snapshot, admit) {eng_med['outside_step_s'] / n_steps * 1e6:.0f} us"
+        )
         rs = args.tokens - 1
-        print(f"  raw loop:      {raw_med['agg_tok_s']:.1f} tok/s, wall {raw_med['total_s']:.3f} s, "
-              f"step median {raw_med['step_ms_median']:.2f} ms; per decode step: llama_decode "
-              f"{raw_med['llama_decode_s'] / rs * 1000:.3f} ms, sample {raw_med['sample_s'] / rs * 1000:.3f} ms")
+        print(
+            f"  raw loop:      {raw_med['agg_tok_s']:.1f} tok/s, wall {raw_med['total_s']:.3f} s, "
+            f"step median {raw_med['step_ms_median']:.2f} ms; per decode step: llama_decode "
+            f"{raw_med['llama_decode_s'] / rs * 1000:.3f} ms, sample {raw_med['sample_s'] / rs * 1000:.3f} ms"
+        )
         print(f"  ratio engine/raw: {eng_med['agg_tok_s'] / raw_med['agg_tok_s']:.3f}")
     finally:
         engine.stop()
@@ -201,9 +226,13 @@ def frame_profile(n_frames: int) -> None:
     from sluice.events import TextDelta
     from sluice.serving.formatters.openai import ChatStreamFormatter, ResponseMeta
 
-    meta = ResponseMeta(id="chatcmpl-" + "0" * 32, created=int(time.time()),
-                        model="smollm2-135m-instruct", prompt_owners=frozenset({0}),
-                        include_usage=True)
+    meta = ResponseMeta(
+        id="chatcmpl-" + "0" * 32,
+        created=int(time.time()),
+        model="smollm2-135m-instruct",
+        prompt_owners=frozenset({0}),
+        include_usage=True,
+    )
     fmt = ChatStreamFormatter(meta)
     ev = TextDelta(0, " word", 1, None)
     t = time.perf_counter()
@@ -268,7 +297,9 @@ def frame_profile(n_frames: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--n", type=int, default=8, help="sequences decoded together")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)

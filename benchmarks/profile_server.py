@@ -56,8 +56,12 @@ def serve_with_timers(argv: list[str], log_path: str) -> None:
     def decode(self: Any, entries: Any) -> None:
         t0 = time.perf_counter()
         orig_decode(self, entries)
-        cur["d"] = (t0, time.perf_counter(), [e.seq for e in entries],
-                    sum(len(e.tokens) for e in entries))
+        cur["d"] = (
+            t0,
+            time.perf_counter(),
+            [e.seq for e in entries],
+            sum(len(e.tokens) for e in entries),
+        )
 
     def step(self: Any) -> None:
         cur.clear()
@@ -84,14 +88,18 @@ def serve_with_timers(argv: list[str], log_path: str) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--n", type=int, default=1, help="concurrent streams")
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--parallel", type=int, default=8)
     ap.add_argument("--ctx", type=int, default=4096)
-    ap.add_argument("--warm", default="", help="request batch sizes sent before measuring, e.g. 1,4,8,1")
+    ap.add_argument(
+        "--warm", default="", help="request batch sizes sent before measuring, e.g. 1,4,8,1"
+    )
     ap.add_argument("--_serve", dest="serve", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve is not None:
@@ -100,12 +108,29 @@ def main() -> None:
 
     steps_path = Path(tempfile.gettempdir()) / f"sluice-steps-{os.getpid()}.json"
     port = bench.free_port()
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--_serve", "serve", "--port", str(port),
-           "--parallel", str(args.parallel), "--threads", str(args.threads), "--ctx", str(args.ctx),
-           "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--_serve",
+        "serve",
+        "--port",
+        str(port),
+        "--parallel",
+        str(args.parallel),
+        "--threads",
+        str(args.threads),
+        "--ctx",
+        str(args.ctx),
+        "--log-level",
+        "warning",
+    ]
     log = open(steps_path.with_suffix(".log"), "w")  # noqa: SIM115 - open for the life of the server
-    proc = subprocess.Popen(cmd, env=dict(os.environ, SLUICE_STEP_LOG=str(steps_path)),
-                            stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        cmd,
+        env=dict(os.environ, SLUICE_STEP_LOG=str(steps_path)),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     server = argparse.Namespace(port=port, proc=proc, base=f"http://127.0.0.1:{port}")
     deadline = time.monotonic() + 120
     while True:
@@ -116,8 +141,9 @@ def main() -> None:
             if proc.poll() is not None or time.monotonic() > deadline:
                 sys.exit(f"profile: the server did not start, see {log.name}")
             time.sleep(0.2)
-    raw = bench.RawWorker(argparse.Namespace(threads=args.threads, parallel=args.parallel,
-                                             ctx=args.ctx, batch=512))
+    raw = bench.RawWorker(
+        argparse.Namespace(threads=args.threads, parallel=args.parallel, ctx=args.ctx, batch=512)
+    )
     noise = bench.Noise([proc.pid, raw.proc.pid])
     windows: list[tuple[float, float]] = []
     raw_steps: list[float] = []
@@ -142,14 +168,18 @@ def main() -> None:
             t0 = time.perf_counter()
             s = bench.sluice_run(server, convs, args.tokens)
             windows.append((t0, time.perf_counter()))
-            loop_us.append((bench.proc_cpu_seconds(proc.pid, proc.pid) - loop0)
-                           / (args.n * args.tokens) * 1e6)
+            loop_us.append(
+                (bench.proc_cpu_seconds(proc.pid, proc.pid) - loop0) / (args.n * args.tokens) * 1e6
+            )
             f_slu = noise.stop()
             raw_steps.append(r["step_ms_median"])
-            print(f"rep {rep + 1}: raw decode {r['decode_tok_s']:.1f} tok/s (step {r['step_ms_median']:.2f} ms)"
-                  f" | sluice steady {s['steady_decode_tok_s']:.1f} tok/s"
-                  f" (x{s['steady_decode_tok_s'] / r['decode_tok_s']:.3f})"
-                  f"  [others used {f_raw:.2f} / {f_slu:.2f} cores]", flush=True)
+            print(
+                f"rep {rep + 1}: raw decode {r['decode_tok_s']:.1f} tok/s (step {r['step_ms_median']:.2f} ms)"
+                f" | sluice steady {s['steady_decode_tok_s']:.1f} tok/s"
+                f" (x{s['steady_decode_tok_s'] / r['decode_tok_s']:.3f})"
+                f"  [others used {f_raw:.2f} / {f_slu:.2f} cores]",
+                flush=True,
+            )
         time.sleep(2.0)  # one more dump of the step records
     finally:
         raw.close()
@@ -173,16 +203,28 @@ def main() -> None:
     runs = [1 + sum(1 for a, b in itertools.pairwise(x[3]) if b != a + 1) for x in steady]
     layouts = collections.Counter(tuple(x[3]) for x in steady)
     print(f"\nsluice engine thread, {len(steady)} steady decode steps ({args.n} streams):")
-    print(f"  llama_decode            median {statistics.median(dec) * 1000:7.3f} ms"
-          f"   (raw step incl. sampling: median {statistics.median(raw_steps):.3f} ms)")
-    print(f"  after decode -> step end median {statistics.median(post) * 1e6:7.0f} us"
-          "   (sample, text, deliver; GIL waits)")
-    print(f"  step end -> next decode  median {statistics.median(pre) * 1e6:7.0f} us"
-          "   (snapshot, commands, admit, plan, build)")
-    print(f"  decode start -> next     median {statistics.median(cycle) * 1000:7.3f} ms"
-          f"   -> {args.n / statistics.median(cycle):.1f} tok/s")
-    print(f"  event loop thread CPU    median {statistics.median(loop_us):7.0f} us per streamed token")
-    print(f"  runs of consecutive seq ids per decode (1 = one ubatch): median {statistics.median(runs)}")
+    print(
+        f"  llama_decode            median {statistics.median(dec) * 1000:7.3f} ms"
+        f"   (raw step incl. sampling: median {statistics.median(raw_steps):.3f} ms)"
+    )
+    print(
+        f"  after decode -> step end median {statistics.median(post) * 1e6:7.0f} us"
+        "   (sample, text, deliver; GIL waits)"
+    )
+    print(
+        f"  step end -> next decode  median {statistics.median(pre) * 1e6:7.0f} us"
+        "   (snapshot, commands, admit, plan, build)"
+    )
+    print(
+        f"  decode start -> next     median {statistics.median(cycle) * 1000:7.3f} ms"
+        f"   -> {args.n / statistics.median(cycle):.1f} tok/s"
+    )
+    print(
+        f"  event loop thread CPU    median {statistics.median(loop_us):7.0f} us per streamed token"
+    )
+    print(
+        f"  runs of consecutive seq ids per decode (1 = one ubatch): median {statistics.median(runs)}"
+    )
     print(f"  most common batch layouts (seq ids): {layouts.most_common(4)}")
 
 

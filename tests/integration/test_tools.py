@@ -149,8 +149,11 @@ def test_json_schema_response_format_validates(client: OpenAI, model_id: str) ->
         "properties": {
             "name": {"type": "string", "maxLength": 30},
             "age": {"type": "integer", "minimum": 0, "maximum": 150},
-            "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 20},
-                        "maxItems": 3},
+            "hobbies": {
+                "type": "array",
+                "items": {"type": "string", "maxLength": 20},
+                "maxItems": 3,
+            },
         },
         "required": ["name", "age", "hobbies"],
         "additionalProperties": False,
@@ -183,8 +186,12 @@ def test_json_object_response_format(client: OpenAI, model_id: str) -> None:
     out = client.chat.completions.create(
         model=model_id,
         # A small object: on an open-ended ask the 135M model counts up forever.
-        messages=[{"role": "user",
-                   "content": "Reply with a small JSON object with keys name and color for a cat."}],
+        messages=[
+            {
+                "role": "user",
+                "content": "Reply with a small JSON object with keys name and color for a cat.",
+            }
+        ],
         response_format={"type": "json_object"},
         temperature=0,
         max_tokens=120,
@@ -198,39 +205,65 @@ def test_invalid_schema_is_400(client: OpenAI, model_id: str) -> None:
         client.chat.completions.create(
             model=model_id,
             messages=[{"role": "user", "content": "x"}],
-            response_format={"type": "json_schema",
-                             "json_schema": {"name": "bad", "schema": {"type": "nonsense"}}},
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "bad", "schema": {"type": "nonsense"}},
+            },
         )
 
 
 def test_two_turn_tool_conversation_completes(client: OpenAI, model_id: str) -> None:
     messages: list[dict[str, Any]] = [{"role": "user", "content": "What's the weather in Tokyo?"}]
     first = client.chat.completions.create(
-        model=model_id, messages=messages, tools=[WEATHER], tool_choice="required",
-        temperature=0, max_tokens=120,
+        model=model_id,
+        messages=messages,
+        tools=[WEATHER],
+        tool_choice="required",
+        temperature=0,
+        max_tokens=120,
     )
     call = first.choices[0].message.tool_calls[0]  # type: ignore[index]
     messages.append(
-        {"role": "assistant", "content": None,
-         "tool_calls": [{"id": call.id, "type": "function",
-                         "function": {"name": call.function.name,
-                                      "arguments": call.function.arguments}}]}
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": call.function.arguments},
+                }
+            ],
+        }
     )
-    messages.append({"role": "tool", "tool_call_id": call.id,
-                     "content": json.dumps({"temperature": 21, "condition": "sunny"})})
+    messages.append(
+        {
+            "role": "tool",
+            "tool_call_id": call.id,
+            "content": json.dumps({"temperature": 21, "condition": "sunny"}),
+        }
+    )
     second = client.chat.completions.create(
-        model=model_id, messages=messages, tools=[WEATHER], temperature=0, max_tokens=60,
+        model=model_id,
+        messages=messages,
+        tools=[WEATHER],
+        temperature=0,
+        max_tokens=60,
     )
     choice = second.choices[0]
     assert choice.finish_reason in ("stop", "length", "tool_calls")
-    assert (choice.message.content or choice.message.tool_calls)
+    assert choice.message.content or choice.message.tool_calls
     assert "<tool_call>" not in (choice.message.content or "")
 
 
 def test_tool_choice_none_gives_plain_content(client: OpenAI, model_id: str) -> None:
     out = client.chat.completions.create(
-        model=model_id, messages=[{"role": "user", "content": "Say hi."}],
-        tools=[WEATHER], tool_choice="none", temperature=0, max_tokens=20,
+        model=model_id,
+        messages=[{"role": "user", "content": "Say hi."}],
+        tools=[WEATHER],
+        tool_choice="none",
+        temperature=0,
+        max_tokens=20,
     )
     assert out.choices[0].message.tool_calls is None
     assert out.choices[0].finish_reason in ("stop", "length")

@@ -257,15 +257,26 @@ def test_unsupported_fields_are_400_naming_the_field(
     [
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": [{"type": "function"}]}, "tools[0]"),
-        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
-         "tools[0].function.name"),
         (
-            {"tools": [{"type": "function", "function": {"name": "f"}}],
-             "tool_choice": {"type": "function", "function": {"name": "g"}}},
+            {"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+            "tools[0].function.name",
+        ),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
             "tool_choice",
         ),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
-          "schema": {"type": "nonsense"}}}}, "response_format.json_schema.schema"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "nonsense"}},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
         ({"response_format": {"type": "xml"}}, "response_format.type"),
     ],
 )
@@ -289,8 +300,12 @@ def test_unknown_fields_are_accepted(base: str) -> None:
 def test_prestream_error_as_sse_frame_when_asked(base: str) -> None:
     cases = [
         (TEXT, {"prompt": "p" * 300}, 400, "context_length_exceeded"),
-        (CHAT, {"messages": user("x"), "prediction": {"type": "content"}}, 400,
-         "unsupported_parameter"),
+        (
+            CHAT,
+            {"messages": user("x"), "prediction": {"type": "content"}},
+            400,
+            "unsupported_parameter",
+        ),
         (CHAT, {"messages": user("x"), "temperature": 9}, 400, None),
         (CHAT, {"messages": user("x"), "stop": list("abcde")}, 400, None),
     ]

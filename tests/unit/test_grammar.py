@@ -23,8 +23,20 @@ def _regex(rule: str) -> re.Pattern[str]:
 
 @pytest.mark.parametrize(
     ("lo", "hi"),
-    [(1, 20), (0, 0), (-5, 5), (7, 1234), (-300, -17), (0, None), (13, None), (None, 50),
-     (99, 100), (100, 199), (5, 5), (-1, 0)],
+    [
+        (1, 20),
+        (0, 0),
+        (-5, 5),
+        (7, 1234),
+        (-300, -17),
+        (0, None),
+        (13, None),
+        (None, 50),
+        (99, 100),
+        (100, 199),
+        (5, 5),
+        (-1, 0),
+    ],
 )
 def test_integer_range_matches_exactly_the_bounded_integers(lo: int | None, hi: int | None) -> None:
     rule = integer_range_rule(lo, hi)
@@ -43,8 +55,9 @@ def test_unbounded_integer_has_no_special_rule() -> None:
 
 
 def test_schema_grammar_uses_integer_bounds() -> None:
-    g = json_schema_grammar({"type": "object", "properties": {"n": {"type": "integer",
-                                                                  "minimum": 1, "maximum": 20}}})
+    g = json_schema_grammar(
+        {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 20}}}
+    )
     assert "[1-9]" in g and "root ::=" in g
 
 

@@ -393,9 +393,9 @@ def test_tool_choice_auto_is_a_lazy_grammar(tool_server: Server) -> None:
     # wherever it appears, and the grammar starts at the tag (the capture group).
     (trigger,) = params.grammar_triggers
     rx = re.compile(trigger)
-    for text in ("<tool_call>", "Sure, let me check. <tool_call>\n{\"na"):
+    for text in ("<tool_call>", 'Sure, let me check. <tool_call>\n{"na'):
         m = rx.fullmatch(text)
-        assert m is not None and text[m.start(1):].startswith("<tool_call>")
+        assert m is not None and text[m.start(1) :].startswith("<tool_call>")
     assert rx.fullmatch("Sure, let me check. <tool_") is None
     assert "get_weather" in params.grammar and "get_time" in params.grammar
     assert "get_weather" in prompt and "get_time" in prompt

@@ -113,7 +113,9 @@ def create_app(
         app.state.sluice = state
         log.info(
             "serving %s (ctx %d per sequence, %d slots)",
-            runner.info.id, runner.n_ctx_seq, state.engine.stats.slots,
+            runner.info.id,
+            runner.n_ctx_seq,
+            state.engine.stats.slots,
         )
         try:
             yield
@@ -130,8 +132,17 @@ def create_app(
             resp = error_response(err)
             resp.status_code = 405
             return resp
-        return JSONResponse({"error": {"message": str(exc.detail), "type": "invalid_request_error",
-                                       "param": None, "code": None}}, exc.status_code)
+        return JSONResponse(
+            {
+                "error": {
+                    "message": str(exc.detail),
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": None,
+                }
+            },
+            exc.status_code,
+        )
 
     async def on_sluice_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, SluiceError)

@@ -98,7 +98,8 @@ async def _complete(
     chat = isinstance(body, ChatCompletionRequest)
     try:
         gen: Generation = (
-            service.prepare_chat(body) if isinstance(body, ChatCompletionRequest)
+            service.prepare_chat(body)
+            if isinstance(body, ChatCompletionRequest)
             else service.prepare_text(body)
         )
         stream = service.open(gen)

@@ -200,8 +200,14 @@ class Engine:
             for req in requests:
                 sampler = self.runner.new_sampler(req.sampling, req.prompt_tokens)
                 works.append(
-                    _Work(req, sink, sampler, next(self._keys),
-                          SequenceText(req.stop, req.logprobs is not None), now)
+                    _Work(
+                        req,
+                        sink,
+                        sampler,
+                        next(self._keys),
+                        SequenceText(req.stop, req.logprobs is not None),
+                        now,
+                    )
                 )
         except Exception:
             for work in works:
@@ -279,8 +285,10 @@ class Engine:
             slot = max(idle, key=lambda s: (_common_prefix(s.cache, prompt), -len(s.cache)))
             # Reuse the cached prefix, but always leave at least one prompt token
             # to decode: its logits give the first sampled token.
-            want = 0 if (work.req.echo and work.req.logprobs is not None) else min(
-                _common_prefix(slot.cache, prompt), len(prompt) - 1
+            want = (
+                0
+                if (work.req.echo and work.req.logprobs is not None)
+                else min(_common_prefix(slot.cache, prompt), len(prompt) - 1)
             )
             kept = self.runner.keep_prefix(slot.seq, want)
             slot.cache = prompt[:kept]
@@ -291,7 +299,9 @@ class Engine:
             slot.state = SlotState.PREFILLING
             self._counters["cached"] += kept
             # Prompt processing begins (LM Studio's prompt_processing.start).
-            _deliver(work.sink, [Progress(work.req.choice, "prompt_processing", kept, len(prompt), kept)])
+            _deliver(
+                work.sink, [Progress(work.req.choice, "prompt_processing", kept, len(prompt), kept)]
+            )
 
     def _compact(self) -> None:
         """Move the highest active sequence into the lowest idle slot, until dense.
@@ -440,7 +450,9 @@ class Engine:
         lps: list[TokenLogprob] = []
         if entry.pos0 == 0:
             piece = runner.token_bytes(prompt[0])
-            lps.append(TokenLogprob(piece.decode("utf-8", "replace"), prompt[0], None, tuple(piece)))
+            lps.append(
+                TokenLogprob(piece.decode("utf-8", "replace"), prompt[0], None, tuple(piece))
+            )
         for i in range(len(entry.tokens)):
             pos = entry.pos0 + i + 1
             if pos >= len(prompt):

@@ -189,14 +189,27 @@ def tool_call_grammar(tools: list[ToolSpec], framing: CallFraming, *, max_calls:
                 lit("}"),
             ]
         )
-        parts = [p for p in (lit(framing.call_open) if framing.call_open else "", body,
-                             lit(framing.call_close) if framing.call_close else "") if p]
+        parts = [
+            p
+            for p in (
+                lit(framing.call_open) if framing.call_open else "",
+                body,
+                lit(framing.call_close) if framing.call_close else "",
+            )
+            if p
+        ]
         calls.append(conv._add_rule(f"tool-{i}-call", " ".join(parts)))
     call = conv._add_rule("call", " | ".join(calls))
     more = f"({lit(framing.sep)} {call}){{0,{max_calls - 1}}}" if max_calls > 1 else ""
     root = " ".join(
-        p for p in (lit(framing.prefix) if framing.prefix else "", call, more,
-                    lit(framing.suffix) if framing.suffix else "") if p
+        p
+        for p in (
+            lit(framing.prefix) if framing.prefix else "",
+            call,
+            more,
+            lit(framing.suffix) if framing.suffix else "",
+        )
+        if p
     )
     conv._add_rule("root", root)
     return str(conv.format_grammar())

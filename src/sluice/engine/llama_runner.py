@@ -176,7 +176,9 @@ class LlamaRunner:
         data = text.encode("utf-8")
         cap = len(data) + 8
         arr = (self._L.llama_token * cap)()
-        n = self._L.llama_tokenize(self._vocab, data, len(data), arr, cap, add_special, parse_special)
+        n = self._L.llama_tokenize(
+            self._vocab, data, len(data), arr, cap, add_special, parse_special
+        )
         if n < 0:  # buffer too small: -n is the size needed
             cap = -n
             arr = (self._L.llama_token * cap)()
@@ -206,7 +208,9 @@ class LlamaRunner:
         L = self._L
         for token, _bias in params.logit_bias:
             if not self.valid_token(token):
-                raise InvalidRequest(f"logit_bias token id {token} is out of range", param="logit_bias")
+                raise InvalidRequest(
+                    f"logit_bias token id {token} is out of range", param="logit_bias"
+                )
         chain_params = L.llama_sampler_chain_default_params()
         chain_params.no_perf = True
         chain = L.llama_sampler_chain_init(chain_params)
@@ -227,7 +231,9 @@ class LlamaRunner:
             for i, (token, bias) in enumerate(biases):
                 arr[i].token = token
                 arr[i].bias = bias
-            L.llama_sampler_chain_add(chain, L.llama_sampler_init_logit_bias(self.n_vocab, len(biases), arr))
+            L.llama_sampler_chain_add(
+                chain, L.llama_sampler_init_logit_bias(self.n_vocab, len(biases), arr)
+            )
         if params.uses_penalties:
             penalties = L.llama_sampler_init_penalties(
                 params.penalty_last_n,
@@ -291,7 +297,11 @@ class LlamaRunner:
     def decode(self, entries: list[BatchEntry]) -> None:
         batch = self._batch
         token, pos, n_seq_id, seq_id, logits = (
-            batch.token, batch.pos, batch.n_seq_id, batch.seq_id, batch.logits,
+            batch.token,
+            batch.pos,
+            batch.n_seq_id,
+            batch.seq_id,
+            batch.logits,
         )
         i = 0
         for entry in entries:

@@ -62,7 +62,9 @@ class ModelRunner(Protocol):
     n_vocab: int
     dense_sequences: bool  # decoding is fastest when active sequence ids are consecutive
 
-    def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]: ...
+    def tokenize(
+        self, text: str, *, add_special: bool, parse_special: bool = True
+    ) -> list[int]: ...
 
     def token_bytes(self, token: int, special: bool = False) -> bytes:
         """A token's bytes; control tokens are empty unless ``special``."""

@@ -149,7 +149,7 @@ class SequenceText:
         else:
             while released and released[-1].text == "":
                 released.pop()
-            self._pending = pending[len(released):]
+            self._pending = pending[len(released) :]
         if not released:
             return None
         lps = [p.logprob for p in released if p.logprob is not None]

@@ -144,12 +144,18 @@ class ChatCompletionRequest(_SamplingFields):
     function_call: str | dict[str, Any] | None = None
 
     def token_limit(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
 
     def top_logprobs_n(self) -> int | None:
         if not self.logprobs:
             if self.top_logprobs:
-                raise InvalidRequest("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
+                raise InvalidRequest(
+                    "'top_logprobs' requires 'logprobs': true", param="top_logprobs"
+                )
             return None
         return self.top_logprobs or 0
 

@@ -168,9 +168,13 @@ class CompletionService:
             else:
                 bad = [t for t in prompt if not 0 <= t < self.runner.n_vocab]
                 if bad:
-                    raise InvalidRequest(f"prompt token id {bad[0]} is out of range", param="prompt")
+                    raise InvalidRequest(
+                        f"prompt token id {bad[0]} is out of range", param="prompt"
+                    )
                 tokens = list(prompt)
-                text = b"".join(self.runner.token_bytes(t) for t in tokens).decode("utf-8", "replace")
+                text = b"".join(self.runner.token_bytes(t) for t in tokens).decode(
+                    "utf-8", "replace"
+                )
             self.engine.check_prompt(len(tokens), param="prompt")
             for j in range(body.n):
                 choice = p_index * body.n + j

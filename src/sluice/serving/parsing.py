@@ -88,4 +88,3 @@ def _attach(parsed: list[Event], source: TextDelta) -> list[Event]:
     if source.token_count or source.logprobs:
         return [*parsed, TextDelta(source.choice, "", source.token_count, None)]
     return parsed
-

@@ -38,7 +38,9 @@ def _strftime_now(fmt: str) -> str:
 class ChatTemplate:
     """A compiled chat template. Errors at compile or render time are 400s."""
 
-    def __init__(self, source: str | None, *, bos_token: str, eos_token: str, model_id: str) -> None:
+    def __init__(
+        self, source: str | None, *, bos_token: str, eos_token: str, model_id: str
+    ) -> None:
         self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token

@@ -85,12 +85,16 @@ class OutputPlan:
         )
         json_grammar = _response_format_grammar(body.response_format)
         if choice in ("required",) or choice.startswith("function:"):
-            offered = tools if choice == "required" else [
-                t for t in tools if t["function"]["name"] == choice.split(":", 1)[1]
-            ]
+            offered = (
+                tools
+                if choice == "required"
+                else [t for t in tools if t["function"]["name"] == choice.split(":", 1)[1]]
+            )
             plan.grammar = tool_call_grammar(
-                [ToolSpec(t["function"]["name"], t["function"].get("parameters") or {})
-                 for t in offered],
+                [
+                    ToolSpec(t["function"]["name"], t["function"].get("parameters") or {})
+                    for t in offered
+                ],
                 FRAMINGS[fmt],
                 max_calls=_max_calls(body.parallel_tool_calls, len(offered)),
             )
@@ -98,8 +102,10 @@ class OutputPlan:
             plan.grammar = json_grammar
         elif choice == "auto" and TRIGGERS.get(fmt):
             plan.grammar = tool_call_grammar(
-                [ToolSpec(t["function"]["name"], t["function"].get("parameters") or {})
-                 for t in tools],
+                [
+                    ToolSpec(t["function"]["name"], t["function"].get("parameters") or {})
+                    for t in tools
+                ],
                 FRAMINGS[fmt],
                 max_calls=_max_calls(body.parallel_tool_calls, len(tools)),
             )
@@ -187,20 +193,30 @@ def _validate_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     names: set[str] = set()
     for i, tool in enumerate(tools or []):
         fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
-            raise InvalidRequest(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}",
-                                 param=f"tools[{i}]")
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type", "function") != "function"
+            or not isinstance(fn, dict)
+        ):
+            raise InvalidRequest(
+                f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}",
+                param=f"tools[{i}]",
+            )
         name = fn.get("name")
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name):
-            raise InvalidRequest(f"tools[{i}].function.name must be 1-64 of [A-Za-z0-9_.-]",
-                                 param=f"tools[{i}].function.name")
+            raise InvalidRequest(
+                f"tools[{i}].function.name must be 1-64 of [A-Za-z0-9_.-]",
+                param=f"tools[{i}].function.name",
+            )
         if name in names:
             raise InvalidRequest(f"Duplicate tool name '{name}'", param=f"tools[{i}].function.name")
         names.add(name)
         params = fn.get("parameters")
         if params is not None and not isinstance(params, dict):
-            raise InvalidRequest(f"tools[{i}].function.parameters must be a JSON schema object",
-                                 param=f"tools[{i}].function.parameters")
+            raise InvalidRequest(
+                f"tools[{i}].function.parameters must be a JSON schema object",
+                param=f"tools[{i}].function.parameters",
+            )
         out.append({"type": "function", "function": fn})
     return out
 
@@ -210,18 +226,22 @@ def _tool_choice(raw: str | dict[str, Any] | None, tools: list[dict[str, Any]]) 
         return "auto" if tools else "none"
     if isinstance(raw, str):
         if raw not in ("none", "auto", "required"):
-            raise InvalidRequest("tool_choice must be none, auto, required or a function",
-                                 param="tool_choice")
+            raise InvalidRequest(
+                "tool_choice must be none, auto, required or a function", param="tool_choice"
+            )
         if raw != "none" and not tools:
             raise InvalidRequest(f"tool_choice '{raw}' needs 'tools'", param="tool_choice")
         return raw
     name = (raw.get("function") or {}).get("name") if isinstance(raw, dict) else None
     if not isinstance(name, str):
-        raise InvalidRequest("tool_choice must name a function: "
-                             "{'type': 'function', 'function': {'name': ...}}", param="tool_choice")
+        raise InvalidRequest(
+            "tool_choice must name a function: {'type': 'function', 'function': {'name': ...}}",
+            param="tool_choice",
+        )
     if name not in {t["function"]["name"] for t in tools}:
-        raise InvalidRequest(f"tool_choice names '{name}', which is not in 'tools'",
-                             param="tool_choice")
+        raise InvalidRequest(
+            f"tool_choice names '{name}', which is not in 'tools'", param="tool_choice"
+        )
     return f"function:{name}"
 
 
@@ -236,12 +256,17 @@ def _response_format_grammar(fmt: dict[str, Any] | None) -> str | None:
     if kind == "json_schema":
         spec = fmt.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-            raise InvalidRequest("response_format.json_schema must be {'name': ..., 'schema': {...}}",
-                                 param="response_format.json_schema")
-        return json_schema_grammar(spec.get("schema") or {"type": "object"},
-                                   param="response_format.json_schema.schema")
-    raise InvalidRequest(f"response_format type '{kind}' is not one of text, json_object, "
-                         "json_schema", param="response_format.type")
+            raise InvalidRequest(
+                "response_format.json_schema must be {'name': ..., 'schema': {...}}",
+                param="response_format.json_schema",
+            )
+        return json_schema_grammar(
+            spec.get("schema") or {"type": "object"}, param="response_format.json_schema.schema"
+        )
+    raise InvalidRequest(
+        f"response_format type '{kind}' is not one of text, json_object, json_schema",
+        param="response_format.type",
+    )
 
 
 def _arguments_object(arguments: Any) -> Any:
@@ -272,8 +297,10 @@ def _native_message(message: dict[str, Any]) -> dict[str, Any]:
 def _generic_message(message: dict[str, Any]) -> dict[str, Any]:
     """Tool history written as plain text for templates that know no tools."""
     if message["role"] == "tool":
-        return {"role": "user",
-                "content": f"<tool_response>\n{message.get('content') or ''}\n</tool_response>"}
+        return {
+            "role": "user",
+            "content": f"<tool_response>\n{message.get('content') or ''}\n</tool_response>",
+        }
     if message["role"] == "assistant" and message.get("tool_calls"):
         blocks = [
             generic.tool_call_text(

@@ -139,11 +139,18 @@ class ChatStreamFormatter(_StreamFormatter):
             if not event.text:
                 return []
             # Both names: reasoning_content (DeepSeek, vLLM, llama.cpp) and reasoning (newer).
-            return [self._choice(event.choice, {"reasoning_content": event.text,
-                                                "reasoning": event.text})]
+            return [
+                self._choice(
+                    event.choice, {"reasoning_content": event.text, "reasoning": event.text}
+                )
+            ]
         if isinstance(event, ToolCallStart):
-            call = {"index": event.index, "id": event.id, "type": "function",
-                    "function": {"name": event.name, "arguments": ""}}
+            call = {
+                "index": event.index,
+                "id": event.id,
+                "type": "function",
+                "function": {"name": event.name, "arguments": ""},
+            }
             return [self._choice(event.choice, {"tool_calls": [call]})]
         if isinstance(event, ToolCallDelta):
             if not event.arguments:
