@@ -278,6 +278,19 @@ def test_unsupported_fields_are_400_naming_the_field(
             "response_format.json_schema.schema",
         ),
         ({"response_format": {"type": "xml"}}, "response_format.type"),
+        (
+            {
+                "tools": [
+                    {"type": "function", "function": {"name": "f"}},
+                    {
+                        "type": "function",
+                        "function": {"name": "g", "parameters": {"type": "nonsense"}},
+                    },
+                ],
+                "tool_choice": "required",
+            },
+            "tools[1].function.parameters",
+        ),
     ],
 )
 def test_bad_tools_and_formats_are_400_naming_the_field(

@@ -23,6 +23,7 @@ from sluice.errors import InvalidRequest
 class ToolSpec:
     name: str
     parameters: dict[str, Any]
+    param: str = "tools"  # the request field named by a schema error
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +169,7 @@ def tool_call_grammar(tools: list[ToolSpec], framing: CallFraming, *, max_calls:
     lit = conv._format_literal
     calls = []
     for i, tool in enumerate(tools):
-        args = _visit(conv, tool.parameters or {"type": "object"}, f"tool-{i}-args", "tools")
+        args = _visit(conv, tool.parameters or {"type": "object"}, f"tool-{i}-args", tool.param)
         body = " ".join(
             [
                 lit("{"),

@@ -84,31 +84,13 @@ class OutputPlan:
             parallel=body.parallel_tool_calls is not False,
         )
         json_grammar = _response_format_grammar(body.response_format)
-        if choice in ("required",) or choice.startswith("function:"):
-            offered = (
-                tools
-                if choice == "required"
-                else [t for t in tools if t["function"]["name"] == choice.split(":", 1)[1]]
-            )
-            plan.grammar = tool_call_grammar(
-                [
-                    ToolSpec(t["function"]["name"], t["function"].get("parameters") or {})
-                    for t in offered
-                ],
-                FRAMINGS[fmt],
-                max_calls=_max_calls(body.parallel_tool_calls, len(offered)),
-            )
+        if choice == "required" or choice.startswith("function:"):
+            named = choice.split(":", 1)[1] if choice != "required" else None
+            plan.grammar = _call_grammar(tools, named, fmt, body.parallel_tool_calls)
         elif json_grammar is not None:
             plan.grammar = json_grammar
         elif choice == "auto" and TRIGGERS.get(fmt):
-            plan.grammar = tool_call_grammar(
-                [
-                    ToolSpec(t["function"]["name"], t["function"].get("parameters") or {})
-                    for t in tools
-                ],
-                FRAMINGS[fmt],
-                max_calls=_max_calls(body.parallel_tool_calls, len(tools)),
-            )
+            plan.grammar = _call_grammar(tools, None, fmt, body.parallel_tool_calls)
             plan.trigger_tag = TRIGGERS[fmt]
         return plan
 
@@ -176,6 +158,22 @@ class OutputPlan:
         if self.uses_tools:
             chain.append(tool_parser(self.fmt, choice))
         return chain
+
+
+def _call_grammar(
+    tools: list[dict[str, Any]], only: str | None, fmt: str, parallel: bool | None
+) -> str:
+    """Calls of ``tools`` (or only the one named), arguments per each tool's schema."""
+    specs = [
+        ToolSpec(
+            t["function"]["name"],
+            t["function"].get("parameters") or {},
+            param=f"tools[{i}].function.parameters",
+        )
+        for i, t in enumerate(tools)
+        if only is None or t["function"]["name"] == only
+    ]
+    return tool_call_grammar(specs, FRAMINGS[fmt], max_calls=_max_calls(parallel, len(specs)))
 
 
 def _max_calls(parallel: bool | None, n_tools: int) -> int:
