@@ -47,6 +47,15 @@ def serve_app(app: Any) -> Iterator[str]:
 @contextlib.contextmanager
 def serve_process(*args: str, env: dict[str, str] | None = None) -> Iterator[str]:
     """Start `sluice serve` as a real process (the README's command) and wait for /health."""
+    with serve_process_handle(*args, env=env) as (base, _proc):
+        yield base
+
+
+@contextlib.contextmanager
+def serve_process_handle(
+    *args: str, env: dict[str, str] | None = None
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """:func:`serve_process`, also giving the process (to signal it)."""
     port = free_port()
     cmd = [sys.executable, "-m", "sluice", "serve", "--port", str(port), *args]
     # Output goes to a file, not a pipe nobody drains (a full pipe would block the server).
@@ -70,7 +79,7 @@ def serve_process(*args: str, env: dict[str, str] | None = None) -> Iterator[str
             if time.monotonic() > deadline:
                 raise RuntimeError("sluice did not become healthy")
             time.sleep(0.1)
-        yield base
+        yield base, proc
     finally:
         proc.terminate()
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -106,3 +107,35 @@ def test_sdk_non_stream_timeout_frees_slot(base: str) -> None:
     ):
         c.completions.create(model="local-model", **body, extra_body={"ignore_eos": True})
     assert wait_idle(base, within=2.5) < 2.5
+
+
+def test_shutdown_ends_streams_with_an_error_frame() -> None:
+    """SIGTERM mid-stream: the client gets an `event: error` frame, then the end."""
+    import signal
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from servers import serve_process_handle
+
+    with serve_process_handle("--threads", "1", "--log-level", "warning") as (url, proc):
+        body = {
+            "messages": [{"role": "user", "content": "Tell a long story."}],
+            "max_tokens": 1500,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        received = b""
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            for chunk in r.iter_raw():
+                received += chunk
+                if received.count(b"data: ") == 5:
+                    proc.send_signal(signal.SIGTERM)
+        # uvicorn shuts down, then re-raises the signal it caught (-SIGTERM).
+        assert proc.wait(30) in (0, -signal.SIGTERM)
+    tail = received.rstrip().rsplit(b"\n\n", 1)[-1]
+    assert tail.startswith(b"event: error\ndata: "), tail
+    payload = json.loads(tail.split(b"data: ", 1)[1])
+    assert payload["code"] == "shutting_down" and payload["error"]["type"] == "server_error"
+    assert b"data: [DONE]" not in received
