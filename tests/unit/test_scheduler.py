@@ -87,3 +87,12 @@ def test_planned_total_never_exceeds_n_batch() -> None:
         plan = plan_batch(slots, n_batch)
         assert sum(p.n_tokens for p in plan) <= n_batch
         assert len({p.seq for p in plan}) == len(plan)
+
+
+def test_prefill_is_capped_while_others_decode_but_not_when_alone() -> None:
+    long = SlotView(1, PRE, prompt_remaining=5000)
+    assert plan_batch([SlotView(0, GEN), long], 512, 128) == [
+        Planned(0, 1, False),
+        Planned(1, 128, True),
+    ]
+    assert plan_batch([long], 512, 128) == [Planned(1, 512, True)]

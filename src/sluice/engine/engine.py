@@ -52,6 +52,10 @@ log = logging.getLogger("sluice.engine")
 class EngineConfig:
     n_parallel: int = 4
     max_queue: int = 16
+    # Prompt tokens per step while other sequences are generating: bounds the
+    # pause a long prefill puts between their tokens (~2.8 ms per prompt token
+    # on the 2-core CI machine, so 128 is ~0.35 s).
+    prefill_while_decoding: int = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,7 +340,10 @@ class Engine:
         ]
         # Entries in sequence-id order: llama.cpp puts only increasing, consecutive
         # ids into one ubatch (see _compact).
-        plan = sorted(plan_batch(views, self.runner.n_batch), key=lambda p: p.seq)
+        plan = sorted(
+            plan_batch(views, self.runner.n_batch, self.config.prefill_while_decoding),
+            key=lambda p: p.seq,
+        )
         if not plan:
             return
         entries, rows = self._build_batch(plan)

@@ -33,7 +33,9 @@ class Planned:
     prefill: bool
 
 
-def plan_batch(slots: Sequence[SlotView], n_batch: int) -> list[Planned]:
+def plan_batch(
+    slots: Sequence[SlotView], n_batch: int, prefill_while_decoding: int | None = None
+) -> list[Planned]:
     """Decode tokens first, then prefill chunks shortest-remaining first, within ``n_batch``.
 
     >>> plan_batch([SlotView(0, SlotState.GENERATING),
@@ -46,6 +48,9 @@ def plan_batch(slots: Sequence[SlotView], n_batch: int) -> list[Planned]:
         if slot.state is SlotState.GENERATING and budget > 0:
             plan.append(Planned(slot.seq, 1, False))
             budget -= 1
+    if prefill_while_decoding is not None and plan:
+        # Others are waiting for their next token: keep this step short.
+        budget = min(budget, prefill_while_decoding)
     prefilling = sorted(
         (s for s in slots if s.state is SlotState.PREFILLING and s.prompt_remaining > 0),
         key=lambda s: (s.prompt_remaining, s.admitted_at),
