@@ -24,7 +24,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sluice.api import routes
-from sluice.api.sse import dumps
+from sluice.api.sse import error_response
 from sluice.catalog import resolve_model
 from sluice.config import Settings
 from sluice.engine.engine import Engine, EngineConfig
@@ -34,8 +34,6 @@ from sluice.errors import (
     InvalidRequest,
     NotFound,
     SluiceError,
-    error_body,
-    spec_for,
 )
 from sluice.serving.completions import CompletionService, ServiceOptions
 from sluice.serving.templates import ChatTemplate
@@ -87,17 +85,6 @@ def build_state(settings: Settings, runner: ModelRunner) -> ServerState:
         ),
     )
     return ServerState(settings, engine, service)
-
-
-def error_response(error: SluiceError, *, sse: bool = False) -> Response:
-    """A pre-stream error: real status; OpenAI JSON, or one SSE error frame if asked."""
-    from sluice.api.sse import error_frame
-
-    spec = spec_for(error)
-    headers = error.headers()
-    if sse:
-        return Response(error_frame(error), spec.status, headers, media_type="text/event-stream")
-    return Response(dumps(error_body(error)), spec.status, headers, media_type="application/json")
 
 
 def create_app(

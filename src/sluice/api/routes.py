@@ -10,7 +10,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
-from sluice.api.sse import SSEResponse, dumps, run_until_disconnect, sse_stream
+from sluice.api.sse import SSEResponse, dumps, error_response, run_until_disconnect, sse_stream
 from sluice.errors import BodyTooLarge, InvalidRequest, ModelNotFound, SluiceError
 from sluice.protocol.openai import ChatCompletionRequest, CompletionRequest
 from sluice.serving.accumulate import ResponseAccumulator
@@ -84,8 +84,6 @@ async def completions(request: Request) -> Response:
 async def _complete(
     request: Request, model: type[ChatCompletionRequest | CompletionRequest]
 ) -> Response:
-    from sluice.api.app import error_response
-
     state = _state(request)
     service = state.service
     data = await _read_json(request)

@@ -13,9 +13,10 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
+from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from sluice.errors import EngineFailure, SluiceError, error_frame_payload
+from sluice.errors import EngineFailure, SluiceError, error_body, error_frame_payload, spec_for
 from sluice.events import ErrorEvent, Event
 from sluice.serving.formatters.base import DONE, Frame
 
@@ -48,6 +49,15 @@ def as_sluice_error(error: BaseException) -> SluiceError:
 
 def error_frame(error: BaseException) -> bytes:
     return encode(Frame(error_frame_payload(as_sluice_error(error)), event="error"))
+
+
+def error_response(error: SluiceError, *, sse: bool = False) -> Response:
+    """A pre-stream error: real status; OpenAI JSON, or one SSE error frame if asked."""
+    spec = spec_for(error)
+    headers = error.headers()
+    if sse:
+        return Response(error_frame(error), spec.status, headers, media_type="text/event-stream")
+    return Response(dumps(error_body(error)), spec.status, headers, media_type="application/json")
 
 
 class StreamFormatter(Protocol):
