@@ -8,10 +8,15 @@ Example::
 
 from __future__ import annotations
 
+import enum
 import secrets
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from sluice.events import Event, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
+
+if TYPE_CHECKING:  # jsonscan imports this module
+    from sluice.parsers.jsonscan import ToolCallScanner
 
 WHITESPACE = " \t\r\n"
 
@@ -133,3 +138,29 @@ class CallEmitter:
             return []
         self.open = False
         return [ToolCallEnd(self.choice, self.count - 1)]
+
+
+class CallProgress(enum.Enum):
+    OPEN = "open"  # the call object goes on
+    ENDED = "ended"  # the call closed (or broke after its name: ended as it is)
+    NOT_A_CALL = "not_a_call"  # it broke before a name: the text was never a call
+
+
+def advance_call(
+    scan: ToolCallScanner, calls: CallEmitter, text: str, events: list[Event]
+) -> tuple[int, CallProgress]:
+    """Feed one call object's text to its scanner; emit start / argument / end events.
+
+    Returns how many characters the call consumed and where it stands.
+    """
+    had_name = scan.name is not None
+    step = scan.feed(text)
+    if step.name is not None:
+        events.extend(calls.start(step.name))
+    events.extend(calls.arguments(step.arguments))
+    if scan.done or (scan.failed and (had_name or step.name is not None)):
+        events.extend(calls.end())
+        return step.consumed, CallProgress.ENDED
+    if scan.failed:
+        return step.consumed, CallProgress.NOT_A_CALL
+    return step.consumed, CallProgress.OPEN

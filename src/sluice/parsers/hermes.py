@@ -27,12 +27,14 @@ from enum import Enum, auto
 from sluice.events import Event
 from sluice.parsers.common import (
     CallEmitter,
+    CallProgress,
     ContentGate,
+    advance_call,
     content_holdback,
     find_first,
     partial_tag_len,
 )
-from sluice.parsers.jsonscan import ScanStep, ToolCallScanner
+from sluice.parsers.jsonscan import ToolCallScanner
 
 
 class _State(Enum):
@@ -128,19 +130,13 @@ class HermesParser:
         self._buf = rest
 
     def _call(self, events: list[Event]) -> None:
-        scan = self._scan
-        had_name = scan.name is not None
-        step: ScanStep = scan.feed(self._buf)
-        self._buf = self._buf[step.consumed :]
-        if step.name is not None:
-            events.extend(self._calls.start(step.name))
-        events.extend(self._calls.arguments(step.arguments))
-        if scan.done or (scan.failed and (had_name or step.name is not None)):
-            events.extend(self._calls.end())
+        used, progress = advance_call(self._scan, self._calls, self._buf, events)
+        self._buf = self._buf[used:]
+        if progress is CallProgress.ENDED:
             self._state = _State.AFTER
-        elif scan.failed:
+        elif progress is CallProgress.NOT_A_CALL:
             # Not a tool call after all: the block's text is the model's content.
-            events.extend(self._content.text(self._markup + scan.raw))
+            events.extend(self._content.text(self._markup + self._scan.raw))
             self._state = _State.CONTENT
 
     def _after(self) -> bool:

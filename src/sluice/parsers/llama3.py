@@ -21,7 +21,7 @@ from __future__ import annotations
 from enum import Enum, auto
 
 from sluice.events import Event, TextDelta
-from sluice.parsers.common import WHITESPACE, CallEmitter, content
+from sluice.parsers.common import WHITESPACE, CallEmitter, CallProgress, advance_call, content
 from sluice.parsers.jsonscan import ToolCallScanner
 
 PYTHON_TAG = "<|python_tag|>"
@@ -101,18 +101,12 @@ class Llama3Parser:
         self._buf = rest
 
     def _call(self, events: list[Event]) -> None:
-        scan = self._scan
-        had_name = scan.name is not None
-        step = scan.feed(self._buf)
-        self._buf = self._buf[step.consumed :]
-        if step.name is not None:
-            events.extend(self._calls.start(step.name))
-        events.extend(self._calls.arguments(step.arguments))
-        if scan.done or (scan.failed and (had_name or step.name is not None)):
-            events.extend(self._calls.end())
+        used, progress = advance_call(self._scan, self._calls, self._buf, events)
+        self._buf = self._buf[used:]
+        if progress is CallProgress.ENDED:
             self._state = _State.START
-        elif scan.failed:
+        elif progress is CallProgress.NOT_A_CALL:
             # Not a call: what the model wrote is content, and so is the rest.
             markup = self._markup.replace(PYTHON_TAG, "")
-            events.extend(content(self.choice, markup + scan.raw))
+            events.extend(content(self.choice, markup + self._scan.raw))
             self._state = _State.CONTENT

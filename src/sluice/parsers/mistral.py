@@ -26,7 +26,9 @@ from sluice.events import Event
 from sluice.parsers.common import (
     WHITESPACE,
     CallEmitter,
+    CallProgress,
     ContentGate,
+    advance_call,
     content_holdback,
     find_first,
     partial_tag_len,
@@ -199,22 +201,17 @@ class MistralParser:
         return True
 
     def _object(self, events: list[Event]) -> bool:
-        scan = self._scan
-        had_name = scan.name is not None
-        step = scan.feed(self._buf)
-        self._buf = self._buf[step.consumed :]
-        if step.name is not None:
-            events.extend(self._calls.start(step.name))
+        used, progress = advance_call(self._scan, self._calls, self._buf, events)
+        self._buf = self._buf[used:]
+        if self._scan.name is not None:
             self._named = True
-        events.extend(self._calls.arguments(step.arguments))
-        if scan.done or (scan.failed and (had_name or step.name is not None)):
-            events.extend(self._calls.end())
-            if self._in_array and scan.done:
+        if progress is CallProgress.ENDED:
+            if self._in_array and self._scan.done:
                 self._state = _State.SEP
                 return True
             return self._calls_over()
-        if scan.failed:
-            return self._to_content(events, self._release() + scan.raw)
+        if progress is CallProgress.NOT_A_CALL:
+            return self._to_content(events, self._release() + self._scan.raw)
         return False
 
     def _name(self, events: list[Event]) -> bool:
