@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from dataclasses import fields
 
 from sluice.catalog import PACKAGED
 from sluice.config import Settings
@@ -51,6 +52,77 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="answer 404 for an unknown 'model' instead of serving the loaded one",
     )
     p.add_argument("--log-level", help=f"debug, info, warning, error (default: {d.log_level})")
+    lim = p.add_argument_group("limits (each one answered with a 4xx naming the field)")
+    lim.add_argument(
+        "--max-body-bytes", type=int, help=f"request body size (default: {d.max_body_bytes})"
+    )
+    lim.add_argument(
+        "--max-json-depth",
+        type=int,
+        help=f"nesting of arrays and objects in a body (default: {d.max_json_depth})",
+    )
+    lim.add_argument(
+        "--max-number-digits",
+        type=int,
+        help=f"digits of an integer in a body (default: {d.max_number_digits})",
+    )
+    lim.add_argument(
+        "--max-messages", type=int, help=f"messages per chat request (default: {d.max_messages})"
+    )
+    lim.add_argument(
+        "--max-stop", type=int, help=f"stop strings per request (default: {d.max_stop})"
+    )
+    lim.add_argument(
+        "--max-stop-length",
+        type=int,
+        help=f"characters per stop string (default: {d.max_stop_length})",
+    )
+    lim.add_argument(
+        "--max-logit-bias", type=int, help=f"logit_bias entries (default: {d.max_logit_bias})"
+    )
+    lim.add_argument("--max-tools", type=int, help=f"tools per request (default: {d.max_tools})")
+    lim.add_argument(
+        "--max-schema-bytes",
+        type=int,
+        help=f"JSON size of a request's tool and response schemas (default: {d.max_schema_bytes})",
+    )
+    lim.add_argument(
+        "--max-grammar-repeat",
+        type=int,
+        help="sum of the repetition bounds (maxLength, maxItems, ...) a constraint grammar "
+        f"may expand (default: {d.max_grammar_repeat})",
+    )
+    p.add_argument(
+        "--prompt-special-tokens",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="in /v1/completions prompts, text such as <|im_end|> becomes the control token "
+        "(default: on; chat messages are always plain text)",
+    )
+    p.add_argument(
+        "--prepare-workers",
+        type=int,
+        help="threads that render templates, tokenize and build grammars, off the event loop "
+        f"(default: {d.prepare_workers})",
+    )
+    p.add_argument(
+        "--stream-buffer",
+        type=int,
+        help="engine steps of output held for a client that is not reading; then its "
+        f"generation pauses (default: {d.stream_buffer})",
+    )
+    p.add_argument(
+        "--stall-timeout",
+        type=float,
+        help="seconds a streaming client may stop reading before its request is aborted "
+        f"(default: {d.stall_timeout:g})",
+    )
+    p.add_argument(
+        "--shutdown-grace",
+        type=float,
+        help="seconds running requests may finish after SIGTERM before they are ended with "
+        f"an error frame (default: {d.shutdown_grace:g})",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,20 +144,9 @@ def _serve(args: argparse.Namespace) -> int:
     from sluice.api.app import create_app
 
     try:
+        known = {f.name for f in fields(Settings)}
         settings = Settings.from_env(
-            model=args.model,
-            host=args.host,
-            port=args.port,
-            parallel=args.parallel,
-            ctx=args.ctx,
-            threads=args.threads,
-            batch=args.batch,
-            queue=args.queue,
-            api_key=args.api_key,
-            chat_template=args.chat_template,
-            strict_model_names=args.strict_model_names,
-            tool_format=args.tool_format,
-            log_level=args.log_level,
+            **{k: v for k, v in vars(args).items() if k in known and v is not None}
         )
     except ValueError as exc:
         print(f"sluice: {exc}", file=sys.stderr)

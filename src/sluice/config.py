@@ -35,6 +35,25 @@ class Settings:
     max_body_bytes: int = 8 * 1024 * 1024
     ping_interval: float = 10.0
     log_level: str = "info"
+    # request limits: each one a clear 4xx naming the field
+    max_json_depth: int = 64  # nesting of arrays/objects anywhere in a body
+    max_number_digits: int = 20  # digits of an integer literal (fits a 64-bit seed)
+    max_messages: int = 4096
+    max_stop: int = 4  # stop strings per request (OpenAI's limit)
+    max_stop_length: int = 256  # characters per stop string
+    max_logit_bias: int = 1024  # logit_bias entries
+    max_tools: int = 128
+    max_schema_bytes: int = 128 * 1024  # JSON size of the tools' and response_format's schemas
+    max_grammar_repeat: int = 4096  # sum of the repetition bounds a grammar may expand
+    # text completions: control-token text in the prompt becomes control tokens
+    prompt_special_tokens: bool = True
+    # off-loop work (templates, tokenization, grammars)
+    prepare_workers: int = 2
+    # streaming backpressure
+    stream_buffer: int = 256  # engine steps of output buffered for a client that is not reading
+    stall_timeout: float = 60.0  # seconds a client may not read before its stream is aborted
+    # shutdown
+    shutdown_grace: float = 5.0  # seconds running streams may finish after SIGTERM
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> Settings:

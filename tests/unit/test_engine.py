@@ -50,6 +50,9 @@ class Background:
         self._thread = threading.Thread(target=run, daemon=True)
         self._thread.start()
 
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
     def result(self, timeout: float = 20) -> Any:
         self._thread.join(timeout)
         assert not self._thread.is_alive(), "background request did not finish"
@@ -173,6 +176,29 @@ def test_full_slots_and_queue_answer_503_at_once() -> None:
         assert h["slots"]["idle"] == 1
         # Capacity is back: the next request is served.
         assert httpx.post(base + TEXT, json={"prompt": "C"}).status_code == 200
+
+
+def test_no_slot_shows_idle_while_a_request_waits() -> None:
+    """A freed slot is taken by the queued request at once, and /health says so.
+
+    Each step takes 50 ms; a snapshot published only after the next decode would
+    show the freed slot idle beside the queued request for that whole step.
+    """
+    runner = ScriptedRunner(step_delay=0.05)
+    runner.scripts["A"] = [b"a"] * 4
+    runner.scripts["B"] = [b"b"] * 4
+    with scripted_server(runner, parallel=1, queue=2) as base:
+        seen: list[dict[str, Any]] = []
+        a = Background(lambda: httpx.post(base + TEXT, json={"prompt": "A"}, timeout=20))
+        wait_until(lambda: health(base)["slots"]["active"] == 1)
+        b = Background(lambda: httpx.post(base + TEXT, json={"prompt": "B"}, timeout=20))
+        health_when(base, lambda s: s["queued"] == 1)
+        while not b.done():
+            seen.append(health(base)["slots"])
+        assert a.result().status_code == 200 and b.result().status_code == 200
+        assert any(s["queued"] == 1 for s in seen)  # the window was watched
+        stale = [s for s in seen if s["idle"] > 0 and s["queued"] > 0]
+        assert not stale, stale[:3]
 
 
 def test_more_choices_than_capacity_is_400() -> None:

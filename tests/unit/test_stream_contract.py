@@ -172,7 +172,7 @@ def test_utf8_split_at_every_byte_position(base: str, runner: ScriptedRunner, na
 
 
 @pytest.mark.parametrize("how", ["eos", "max_tokens"])
-def test_incomplete_trailing_utf8_is_flushed(base: str, runner: ScriptedRunner, how: str) -> None:
+def test_incomplete_trailing_utf8_is_dropped(base: str, runner: ScriptedRunner, how: str) -> None:
     content = f"trailing {how}"
     if how == "eos":
         chat_script(runner, content, [b"ok", b"\xf0\x9f\x98", EOS])
@@ -181,11 +181,13 @@ def test_incomplete_trailing_utf8_is_flushed(base: str, runner: ScriptedRunner, 
         chat_script(runner, content, [b"ok", b"\xf0\x9f\x98", b"\x80never"])
         extra = {"max_tokens": 2}
     chunks = post_stream(base, CHAT, {"messages": user(content), "stream": True, **extra}).chunks
-    # The held bytes are not lost: they end the text as one replacement character
-    # (there is no other text to give for a truncated character).
-    assert chat_text(chunks) == "ok\ufffd"
+    # A character cut in half by the end of the sequence is dropped, never sent as
+    # U+FFFD (pitfall 7); the token that carried its bytes is still counted.
+    assert chat_text(chunks) == "ok"
     assert finishes(chunks) == {0: ["stop" if how == "eos" else "length"]}
-    assert chat_once(base, content, **extra)["choices"][0]["message"]["content"] == "ok\ufffd"
+    body = chat_once(base, content, **extra)
+    assert body["choices"][0]["message"]["content"] == "ok"
+    assert body["usage"]["completion_tokens"] == (3 if how == "eos" else 2)
 
 
 # -- stop strings -----------------------------------------------------------------------------

@@ -65,10 +65,12 @@ def test_utf8_assembler_holds_incomplete_until_complete() -> None:
     assert asm.flush() == ""
 
 
-def test_utf8_assembler_flushes_incomplete_tail_as_replacement() -> None:
+def test_utf8_assembler_drops_incomplete_tail_at_the_end() -> None:
     asm = Utf8Assembler()
     assert asm.feed(b"ok\xe2\x82") == "ok"
-    assert asm.flush() == "\ufffd"
+    assert asm.flush() == ""
+    # Invalid bytes in the middle are still replaced: there is no other text for them.
+    assert asm.feed(b"a\xffb") == "a\ufffdb"
 
 
 # -- StopMatcher ----------------------------------------------------------------------
@@ -125,16 +127,17 @@ def test_sequence_text_split_char_every_position(char: str, stops: tuple[str, ..
         ]
 
 
-def test_sequence_text_incomplete_tail_is_flushed_not_lost() -> None:
+def test_sequence_text_incomplete_tail_is_dropped_but_counted() -> None:
+    # max_tokens cut a character in half: its bytes are dropped, the token still counts.
     text, stop, tokens, n_lps = run((), [b"ok", b"\xf0\x9f"], logprobs=True)
     assert stop is None
-    assert text == "ok\ufffd"
+    assert text == "ok"
     assert tokens == 2 and n_lps == 2
 
 
-def test_sequence_text_incomplete_tail_flushed_with_stops_configured() -> None:
+def test_sequence_text_incomplete_tail_dropped_with_stops_configured() -> None:
     text, stop, tokens, _ = run(("STOP",), [b"ok", b"\xe2\x82"])
-    assert (text, stop, tokens) == ("ok\ufffd", None, 2)
+    assert (text, stop, tokens) == ("ok", None, 2)
 
 
 # -- SequenceText: stop strings ----------------------------------------------------------

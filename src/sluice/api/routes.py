@@ -153,7 +153,7 @@ async def health(request: Request) -> Response:
                 "queued": stats.queued,
                 "prefilling": stats.prefilling,
                 "generating": stats.generating,
-                "idle": stats.slots - stats.active,
+                "idle": stats.idle,
             },
             "engine": {
                 "steps": stats.steps,

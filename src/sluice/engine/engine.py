@@ -64,6 +64,7 @@ class EngineStats:
 
     slots: int
     active: int
+    idle: int
     queued: int
     prefilling: int
     generating: int
@@ -236,8 +237,11 @@ class Engine:
                 # 1. Commands: block only when there is nothing to compute.
                 if not self._drain(block=not busy):
                     break
-                # 2. Admit queued work into idle slots (prefix-cache aware).
-                self._admit()
+                # 2. Admit queued work into idle slots (prefix-cache aware), and say
+                #    so at once: a snapshot from the previous step would show a slot
+                #    idle beside a queued request for the whole of the next decode.
+                if self._admit():
+                    self.stats = self._snapshot()
                 # 3. Keep the active sequences on the lowest sequence ids (see _compact).
                 self._compact()
                 # 4. One decode over every active sequence, then sample.
@@ -279,11 +283,14 @@ class Engine:
             if slot.work is not None and slot.work.key in keys:
                 self._free_slot(slot)
 
-    def _admit(self) -> None:
+    def _admit(self) -> bool:
+        """Move waiting work into idle slots; True if anything was admitted."""
+        admitted = False
         while self._waiting:
             idle = [s for s in self._slots if s.state is SlotState.IDLE]
             if not idle:
-                return
+                break
+            admitted = True
             work = self._waiting.popleft()
             prompt = work.req.prompt_tokens
             slot = max(idle, key=lambda s: (_common_prefix(s.cache, prompt), -len(s.cache)))
@@ -306,6 +313,7 @@ class Engine:
             _deliver(
                 work.sink, [Progress(work.req.choice, "prompt_processing", kept, len(prompt), kept)]
             )
+        return admitted
 
     def _compact(self) -> None:
         """Move the highest active sequence into the lowest idle slot, until dense.
@@ -531,6 +539,7 @@ class Engine:
         return EngineStats(
             slots=len(self._slots),
             active=prefilling + generating,
+            idle=states.count(SlotState.IDLE),
             queued=len(self._waiting),
             prefilling=prefilling,
             generating=generating,

@@ -234,15 +234,19 @@ class LlamaRunner:
             L.llama_sampler_chain_add(
                 chain, L.llama_sampler_init_logit_bias(self.n_vocab, len(biases), arr)
             )
-        if params.uses_penalties:
+        if params.uses_penalties and params.penalty_last_n != 0:
+            # llama.cpp's convention: -1 is the whole context, 0 turns penalties off.
+            last_n = self.n_ctx_seq if params.penalty_last_n < 0 else params.penalty_last_n
+            last_n = min(last_n, self.n_ctx_seq)
             penalties = L.llama_sampler_init_penalties(
-                params.penalty_last_n,
+                self.n_vocab,  # the pinned bindings still take n_vocab first
+                last_n,
                 params.repeat_penalty,
                 params.frequency_penalty,
                 params.presence_penalty,
             )
             # Penalties see the prompt too, as in llama.cpp's server.
-            for token in prompt[-params.penalty_last_n :] if params.penalty_last_n > 0 else prompt:
+            for token in prompt[-last_n:]:
                 L.llama_sampler_accept(penalties, token)
             L.llama_sampler_chain_add(chain, penalties)
         if params.temperature <= 0:

@@ -22,7 +22,10 @@ class Utf8Assembler:
     """Bytes of token pieces in, complete UTF-8 text out.
 
     A multi-byte character split across tokens is held until complete; truly
-    invalid bytes become U+FFFD (there is no other text to give for them).
+    invalid bytes become U+FFFD (there is no other text to give for them). An
+    incomplete character still held when the sequence ends was cut (by
+    ``max_tokens``, a stop, the end of the context) and is dropped, never sent
+    as U+FFFD (pitfall 7).
     """
 
     __slots__ = ("_decoder",)
@@ -34,7 +37,9 @@ class Utf8Assembler:
         return self._decoder.decode(data, False)
 
     def flush(self) -> str:
-        return self._decoder.decode(b"", True)
+        # The decoder holds back only a valid prefix of a character; drop it.
+        self._decoder.reset()
+        return ""
 
 
 class StopMatcher:

@@ -121,8 +121,15 @@ class EventStream:
         backend: Submitter,
         requests: list[EngineRequest],
         echo_texts: Mapping[int, str] | None = None,
+        *,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> EventStream:
-        sink = _LoopSink(asyncio.get_running_loop())
+        """Submit ``requests``; events arrive on ``loop`` (default: the running one).
+
+        Safe to call from a worker thread when ``loop`` is given, so that
+        sampler and grammar set-up stay off the event loop.
+        """
+        sink = _LoopSink(loop or asyncio.get_running_loop())
         handle = backend.submit(requests, sink)
         choices = [(r.choice, len(r.prompt_tokens)) for r in requests]
         return cls(backend, handle, sink, choices, echo_texts or {})
