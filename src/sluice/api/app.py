@@ -46,6 +46,7 @@ class ServerState:
     settings: Settings
     engine: Engine
     service: CompletionService
+    draining: bool = False  # after SIGTERM: running requests finish, new ones get 503
 
 
 def load_runner(settings: Settings) -> ModelRunner:
@@ -70,7 +71,14 @@ def load_runner(settings: Settings) -> ModelRunner:
 
 
 def build_state(settings: Settings, runner: ModelRunner) -> ServerState:
-    engine = Engine(runner, EngineConfig(n_parallel=settings.parallel, max_queue=settings.queue))
+    engine = Engine(
+        runner,
+        EngineConfig(
+            n_parallel=settings.parallel,
+            max_queue=settings.queue,
+            stream_buffer=settings.stream_buffer,
+        ),
+    )
     info = runner.info
     template = ChatTemplate(
         info.chat_template, bos_token=info.bos_token, eos_token=info.eos_token, model_id=info.id

@@ -10,8 +10,9 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
+from sluice.api.body import read_body
 from sluice.api.sse import SSEResponse, dumps, error_response, run_until_disconnect, sse_stream
-from sluice.errors import BodyTooLarge, InvalidRequest, ModelNotFound, SluiceError
+from sluice.errors import InvalidRequest, ModelNotFound, ShuttingDown, SluiceError
 from sluice.protocol.openai import ChatCompletionRequest, CompletionRequest
 from sluice.serving.accumulate import ResponseAccumulator
 from sluice.serving.completions import Generation
@@ -33,20 +34,8 @@ def _json(data: Any, status: int = 200) -> Response:
     return Response(dumps(data), status, media_type="application/json")
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise BodyTooLarge(f"The request body is {declared} bytes; the limit is {limit}.")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise BodyTooLarge(f"The request body is over the limit of {limit} bytes.")
-    return bytes(body)
-
-
 async def _read_json(request: Request) -> dict[str, Any]:
-    raw = await _read_body(request, _state(request).settings.max_body_bytes)
+    raw = await read_body(request, _state(request).settings.max_body_bytes)
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -85,6 +74,8 @@ async def _complete(
     request: Request, model: type[ChatCompletionRequest | CompletionRequest]
 ) -> Response:
     state = _state(request)
+    if state.draining:
+        raise ShuttingDown("The server is shutting down; no new requests are admitted.")
     service = state.service
     data = await _read_json(request)
     try:
@@ -110,6 +101,7 @@ async def _complete(
             sse_stream(service.events(gen, stream), formatter),
             on_close=stream.close,
             ping_interval=state.settings.ping_interval,
+            stall_timeout=state.settings.stall_timeout,
         )
 
     async def fold() -> dict[str, Any]:

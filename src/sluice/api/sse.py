@@ -97,11 +97,13 @@ class SSEResponse:
         *,
         on_close: Callable[[], None],
         ping_interval: float = 10.0,
+        stall_timeout: float = 60.0,
         headers: dict[str, str] | None = None,
     ) -> None:
         self.body = body
         self.on_close = on_close
         self.ping_interval = ping_interval
+        self.stall_timeout = stall_timeout  # a write the client does not take within this
         self.headers = SSE_HEADERS + [
             (k.lower().encode(), v.encode()) for k, v in (headers or {}).items()
         ]

@@ -56,6 +56,9 @@ class EngineConfig:
     # pause a long prefill puts between their tokens (~2.8 ms per prompt token
     # on the 2-core CI machine, so 128 is ~0.35 s).
     prefill_while_decoding: int = 128
+    # Engine steps of output a response may have delivered but not yet consumed
+    # (a client that is not reading); past it, its sequences are not decoded.
+    stream_buffer: int = 256
 
 
 @dataclass(frozen=True, slots=True)
