@@ -62,7 +62,18 @@ class MissingChatTemplate(InvalidRequest):
 
 
 class BodyTooLarge(SluiceError):
-    """The request body is over the configured limit."""
+    """The request body is over the configured limit.
+
+    ``close``: the body was not read to its end, so the connection cannot
+    carry another request; the 413 says ``Connection: close``.
+    """
+
+    def __init__(self, message: str, *, close: bool = False) -> None:
+        super().__init__(message)
+        self.close = close
+
+    def headers(self) -> dict[str, str]:
+        return {"Connection": "close"} if self.close else {}
 
 
 class AuthenticationFailed(SluiceError):
