@@ -70,6 +70,8 @@ class ScriptedRunner:
     chat_template: str | None = CHATML
     partial_keep: bool = True  # False: behave like a cache that cannot drop a suffix
     dense_sequences: bool = True  # the engine compacts active sequences onto low ids
+    control_texts: tuple[str, ...] = ("<|im_start|>", "<|im_end|>")
+    max_piece_bytes: int = 64
 
     def __post_init__(self) -> None:
         self.info = ModelInfo(

@@ -112,6 +112,10 @@ class EngineFailure(SluiceError):
     """The inference engine failed (decode error, model load error)."""
 
 
+class InternalError(SluiceError):
+    """Something unexpected inside the server (a bug): still answered in the dialect's shape."""
+
+
 @dataclass(frozen=True, slots=True)
 class ErrorSpec:
     status: int
@@ -134,6 +138,7 @@ _TABLE: dict[type[SluiceError], ErrorSpec] = {
     ServerBusy: ErrorSpec(503, "server_error", "server_busy"),
     ShuttingDown: ErrorSpec(503, "server_error", "shutting_down"),
     EngineFailure: ErrorSpec(500, "server_error", "engine_error"),
+    InternalError: ErrorSpec(500, "server_error", "internal_error"),
 }
 
 

@@ -31,11 +31,14 @@ from sluice.engine.engine import Engine, EngineConfig
 from sluice.engine.runner import ModelRunner
 from sluice.errors import (
     AuthenticationFailed,
+    InternalError,
     InvalidRequest,
     NotFound,
     SluiceError,
 )
+from sluice.protocol.body import BodyLimits
 from sluice.serving.completions import CompletionService, ServiceOptions
+from sluice.serving.offload import Offload
 from sluice.serving.templates import ChatTemplate
 
 log = logging.getLogger("sluice.api")
@@ -46,6 +49,8 @@ class ServerState:
     settings: Settings
     engine: Engine
     service: CompletionService
+    offload: Offload  # worker threads for parsing, templates, tokenization, grammars
+    limits: BodyLimits
     draining: bool = False  # after SIGTERM: running requests finish, new ones get 503
 
 
@@ -90,9 +95,18 @@ def build_state(settings: Settings, runner: ModelRunner) -> ServerState:
             strict_model_names=settings.strict_model_names,
             default_max_tokens=settings.default_max_tokens,
             tool_format=settings.tool_format,
+            prompt_special_tokens=settings.prompt_special_tokens,
         ),
     )
-    return ServerState(settings, engine, service)
+    limits = BodyLimits(
+        max_json_depth=settings.max_json_depth,
+        max_number_digits=settings.max_number_digits,
+        max_messages=settings.max_messages,
+        max_stop=settings.max_stop,
+        max_stop_length=settings.max_stop_length,
+        max_logit_bias=settings.max_logit_bias,
+    )
+    return ServerState(settings, engine, service, Offload(settings.prepare_workers), limits)
 
 
 def create_app(
@@ -116,6 +130,7 @@ def create_app(
             yield
         finally:
             state.engine.stop()
+            state.offload.close()
             runner.close()
 
     async def on_http_error(request: Request, exc: Exception) -> Response:
@@ -143,6 +158,11 @@ def create_app(
         assert isinstance(exc, SluiceError)
         return error_response(exc)
 
+    async def on_unexpected(request: Request, exc: Exception) -> Response:
+        # A bug, not the client's fault: still the OpenAI error shape, never a
+        # text/plain page. (Starlette logs the traceback after this answers.)
+        return error_response(InternalError(f"Internal error: {type(exc).__name__}"))
+
     app = Starlette(
         routes=[
             Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
@@ -152,7 +172,11 @@ def create_app(
             Route("/health", routes.health, methods=["GET"]),
         ],
         lifespan=lifespan,
-        exception_handlers={HTTPException: on_http_error, SluiceError: on_sluice_error},
+        exception_handlers={
+            HTTPException: on_http_error,
+            SluiceError: on_sluice_error,
+            Exception: on_unexpected,
+        },
     )
     if settings.api_key:
         return BearerAuth(app, settings.api_key)  # type: ignore[return-value]

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -13,10 +14,12 @@ from starlette.responses import Response
 from sluice.api.body import read_body
 from sluice.api.sse import SSEResponse, dumps, error_response, run_until_disconnect, sse_stream
 from sluice.errors import InvalidRequest, ModelNotFound, ShuttingDown, SluiceError
+from sluice.protocol.body import BodyLimits, check_body_limits, parse_json_body, paused_gc
 from sluice.protocol.openai import ChatCompletionRequest, CompletionRequest
 from sluice.serving.accumulate import ResponseAccumulator
 from sluice.serving.completions import Generation
 from sluice.serving.formatters.openai import ChatStreamFormatter, TextStreamFormatter
+from sluice.serving.stream import EventStream
 
 if TYPE_CHECKING:
     from sluice.api.app import ServerState
@@ -34,23 +37,13 @@ def _json(data: Any, status: int = 200) -> Response:
     return Response(dumps(data), status, media_type="application/json")
 
 
-async def _read_json(request: Request) -> dict[str, Any]:
-    raw = await read_body(request, _state(request).settings.max_body_bytes)
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidRequest(f"The body is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise InvalidRequest("The body must be a JSON object.")
-    return data
-
-
 def _validate(data: dict[str, Any], model: type[M]) -> M:
     try:
         parsed = model.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
-        loc = ".".join(str(p) for p in first["loc"])
+        loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"])
+        loc = loc.removeprefix(".")
         raise InvalidRequest(f"Invalid '{loc}': {first['msg']}", param=loc or None) from exc
     unknown = parsed.unknown_fields()  # type: ignore[attr-defined]
     if unknown:
@@ -70,6 +63,30 @@ async def completions(request: Request) -> Response:
     return await _complete(request, CompletionRequest)
 
 
+@dataclass(slots=True)
+class _Parsed:
+    """A body read off the event loop: the request, or the error to answer with."""
+
+    stream: bool  # the body asked for a stream (picks the error shape)
+    body: ChatCompletionRequest | CompletionRequest | None = None
+    error: SluiceError | None = None
+
+
+def _parse(
+    raw: bytes, model: type[ChatCompletionRequest | CompletionRequest], limits: BodyLimits
+) -> _Parsed:
+    with paused_gc():
+        data = parse_json_body(raw, limits)
+        stream = data.get("stream") is True
+        try:
+            check_body_limits(data, limits)
+            return _Parsed(stream, body=_validate(data, model))
+        except SluiceError as exc:
+            return _Parsed(stream, error=exc)
+        finally:
+            del data  # freed by reference counting while the collector is paused
+
+
 async def _complete(
     request: Request, model: type[ChatCompletionRequest | CompletionRequest]
 ) -> Response:
@@ -77,21 +94,29 @@ async def _complete(
     if state.draining:
         raise ShuttingDown("The server is shutting down; no new requests are admitted.")
     service = state.service
-    data = await _read_json(request)
-    try:
-        body = _validate(data, model)
-    except SluiceError as exc:
+    raw = await read_body(request, state.settings.max_body_bytes)
+    # Parsing, templates, tokenization and grammars run on worker threads: one
+    # heavy request must never stall other streams or /health.
+    parsed = await state.offload.run(lambda: _parse(raw, model, state.limits))
+    if parsed.body is None:
+        assert parsed.error is not None
         # A streaming call that asked for SSE gets its validation error as one
         # error frame too (spec 000: no role frame, the validation message).
-        return error_response(exc, sse=data.get("stream") is True and _wants_sse(request))
+        return error_response(parsed.error, sse=parsed.stream and _wants_sse(request))
+    body = parsed.body
     chat = isinstance(body, ChatCompletionRequest)
-    try:
-        gen: Generation = (
+    loop = asyncio.get_running_loop()
+
+    def prepare() -> tuple[Generation, EventStream]:
+        gen = (
             service.prepare_chat(body)
             if isinstance(body, ChatCompletionRequest)
             else service.prepare_text(body)
         )
-        stream = service.open(gen)
+        return gen, service.open(gen, loop)
+
+    try:
+        gen, stream = await state.offload.run(prepare, on_abandon=lambda r: r[1].close())
     except SluiceError as exc:
         # Knowable before the first byte: a real status, in the shape asked for.
         return error_response(exc, sse=body.stream and _wants_sse(request))

@@ -61,6 +61,8 @@ class ModelRunner(Protocol):
     n_batch: int  # max tokens per decode
     n_vocab: int
     dense_sequences: bool  # decoding is fastest when active sequence ids are consecutive
+    control_texts: tuple[str, ...]  # texts of the control tokens (<|im_end|>, ...)
+    max_piece_bytes: int  # the longest token's text, in bytes
 
     def tokenize(
         self, text: str, *, add_special: bool, parse_special: bool = True

@@ -7,12 +7,16 @@ service with a 400 naming the field.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from sluice.engine.types import SamplingParams
 from sluice.errors import InvalidRequest
+
+_TOKEN_ID = re.compile(r"-?[0-9]{1,18}")
+_INT32_MAX = 2**31 - 1
 
 
 class _Wire(BaseModel):
@@ -75,19 +79,15 @@ class _SamplingFields(_Wire):
     user: str | None = None
     ignore_eos: bool = False
 
-    @field_validator("stop")
-    @classmethod
-    def _stop_limit(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(v, list) and len(v) > 4:
-            raise ValueError("at most 4 stop sequences are allowed")
-        return v
+    # The count and length of stop strings are limits (protocol/body.py), not schema.
 
     @field_validator("logit_bias")
     @classmethod
     def _bias_range(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (v or {}).items():
-            if not key.lstrip("-").isdigit():
-                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+            # ASCII digits only: str.isdigit() also admits "²", which int() rejects.
+            if not _TOKEN_ID.fullmatch(key):
+                raise ValueError(f"logit_bias keys are token ids, got {key[:32]!r}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
         return v
@@ -99,11 +99,12 @@ class _SamplingFields(_Wire):
 
     def sampling_params(self) -> SamplingParams:
         """This request's sampler settings as engine parameters."""
-        last_n = 64 if self.repeat_last_n is None else self.repeat_last_n
+        last_n = 64 if self.repeat_last_n is None else min(self.repeat_last_n, _INT32_MAX)
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
+            # llama.cpp takes int32: a top_k past the vocabulary is the same as none.
+            top_k=min(self.top_k or 0, _INT32_MAX),
             min_p=self.min_p or 0.0,
             repeat_penalty=self.repeat_penalty or 1.0,
             presence_penalty=self.presence_penalty or 0.0,

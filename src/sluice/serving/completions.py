@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -29,6 +30,7 @@ from sluice.parsers.registry import detect_reasoning, detect_tool_format, templa
 from sluice.protocol.openai import ChatCompletionRequest, ChatMessage, CompletionRequest
 from sluice.serving.formatters.openai import ResponseMeta
 from sluice.serving.parsing import parse_stream
+from sluice.serving.prompt import ControlTextGuard
 from sluice.serving.stream import EventStream
 from sluice.serving.templates import ChatTemplate
 from sluice.serving.tools import OutputPlan, ReasoningMarkers
@@ -41,6 +43,9 @@ class ServiceOptions:
     strict_model_names: bool = False
     default_max_tokens: int | None = None  # chat; None = until EOS or end of context
     tool_format: str | None = None  # hermes | llama3 | mistral | generic; None: from template
+    # /v1/completions: control-token text in a prompt becomes control tokens (the
+    # client writes the whole prompt there); chat message text never does.
+    prompt_special_tokens: bool = True
 
 
 @dataclass(slots=True)
@@ -66,6 +71,7 @@ class CompletionService:
         self.tool_format = options.tool_format or detect_tool_format(source)
         markers = detect_reasoning(source)
         self.reasoning = ReasoningMarkers(*markers) if markers else None
+        self.guard = ControlTextGuard(self.runner.control_texts)
 
     # -- models --------------------------------------------------------------
 
@@ -111,7 +117,10 @@ class CompletionService:
         extra = {**plan.template_extra(), **(body.chat_template_kwargs or {})}
         if body.reasoning_effort is not None:
             extra.setdefault("reasoning_effort", body.reasoning_effort)
-        prompt_text = self.template.render(messages, extra=extra)
+        # Everything the request put into the prompt is text, never control tokens.
+        prompt_text = self.template.render(
+            self.guard.escape(messages), extra=self.guard.escape(extra)
+        )
         if plan.reasoning is not None:
             # A grammar that engages from the first token leaves no room for reasoning:
             # the output is the answer (or the calls) even if the template opened a block.
@@ -124,7 +133,7 @@ class CompletionService:
         if limit is None:
             limit = self.options.default_max_tokens
         sampling = replace(
-            body.sampling_params(), grammar=plan.grammar, grammar_triggers=plan.triggers
+            self._sampling(body), grammar=plan.grammar, grammar_triggers=plan.triggers
         )
         requests = [
             EngineRequest(
@@ -160,10 +169,12 @@ class CompletionService:
         requests: list[EngineRequest] = []
         echo_texts: dict[int, str] = {}
         owners: set[int] = set()
-        sampling = body.sampling_params()
+        sampling = self._sampling(body)
         for p_index, prompt in enumerate(body.prompts()):
             if isinstance(prompt, str):
-                tokens = self.runner.tokenize(prompt, add_special=True, parse_special=True)
+                tokens = self.runner.tokenize(
+                    prompt, add_special=True, parse_special=self.options.prompt_special_tokens
+                )
                 text = prompt
             else:
                 bad = [t for t in prompt if not 0 <= t < self.runner.n_vocab]
@@ -207,9 +218,13 @@ class CompletionService:
 
     # -- both ----------------------------------------------------------------
 
-    def open(self, gen: Generation) -> EventStream:
-        """Submit to the engine (capacity is checked here) and return the stream."""
-        return EventStream.open(self.engine, gen.requests, gen.echo_texts)
+    def open(self, gen: Generation, loop: asyncio.AbstractEventLoop | None = None) -> EventStream:
+        """Submit to the engine (capacity is checked here) and return the stream.
+
+        With ``loop`` given this may run on a worker thread (sampler and grammar
+        set-up happen here); events are delivered to ``loop``.
+        """
+        return EventStream.open(self.engine, gen.requests, gen.echo_texts, loop=loop)
 
     def events(self, gen: Generation, stream: EventStream) -> AsyncIterator[Event]:
         """The response's events: the engine's, through the output parsers if any."""
@@ -217,11 +232,22 @@ class CompletionService:
             return stream.__aiter__()
         return parse_stream(stream.__aiter__(), gen.parsers)
 
+    def _sampling(self, body: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
+        sampling = body.sampling_params()
+        for token, _bias in sampling.logit_bias:
+            if not 0 <= token < self.runner.n_vocab:
+                raise InvalidRequest(
+                    f"logit_bias token id {token} is out of range (the vocabulary has "
+                    f"{self.runner.n_vocab} tokens)",
+                    param="logit_bias",
+                )
+        return sampling
+
     def _tokenize_prompt(self, text: str) -> list[int]:
         info = self.runner.info
         # A template that writes the BOS itself must not get a second one.
         add_bos = info.add_bos and not (info.bos_token and text.startswith(info.bos_token))
-        return self.runner.tokenize(text, add_special=add_bos, parse_special=True)
+        return self.guard.tokenize(text, self.runner.tokenize, add_special=add_bos)
 
 
 def _choice_seed(sampling: SamplingParams, index: int) -> SamplingParams:

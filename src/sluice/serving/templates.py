@@ -93,7 +93,7 @@ class ChatTemplate:
             return self._template.render(**context)
         except _TemplateRaised as exc:
             raise TemplateError(f"The chat template rejected the messages: {exc}") from exc
-        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as exc:
+        except Exception as exc:  # the model's template on the request's messages
             raise TemplateError(
                 f"The chat template failed to render these messages: {type(exc).__name__}: {exc}"
             ) from exc
