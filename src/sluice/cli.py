@@ -138,10 +138,21 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+# Seconds uvicorn waits past the grace for the error frames that end the
+# requests still running to get out, before it cancels what is left.
+_FLUSH_SECONDS = 3.0
+
+
 def _serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import math
+    import socket
+    import time
+    from types import FrameType
+
     import uvicorn
 
-    from sluice.api.app import create_app
+    from sluice.api.app import ServerState, create_app
 
     try:
         known = {f.name for f in fields(Settings)}
@@ -151,28 +162,87 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"sluice: {exc}", file=sys.stderr)
         return 2
+    grace = settings.shutdown_grace
+    if not (math.isfinite(grace) and grace >= 0):
+        print(f"sluice: --shutdown-grace must be a number >= 0, not {grace}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     app = create_app(settings)
 
+    def state() -> ServerState | None:
+        return getattr(app.state, "sluice", None)
+
     class Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: object) -> None:
-            # End in-flight streams with an error frame now, rather than letting
-            # the graceful-shutdown timeout cut them off without a word.
-            state = getattr(app.state, "sluice", None)
-            if state is not None:
-                state.engine.begin_shutdown()
-            super().handle_exit(sig, frame)  # type: ignore[arg-type]
+        """uvicorn's server with sluice's graceful shutdown.
+
+        1st SIGTERM or SIGINT: new requests get 503 ``shutting_down`` (and
+        within 0.1 s uvicorn closes its listening socket and idle connections);
+        the running ones get ``grace`` seconds to finish, then the engine ends
+        the rest with an ``event: error`` frame. uvicorn waits ``grace`` +
+        ``_FLUSH_SECONDS`` at most for the connections to close, then cancels
+        what is left. 2nd signal: the error frames now, and at most
+        ``_FLUSH_SECONDS`` more. 3rd: stop waiting at once.
+        """
+
+        signals = 0
+        signalled_at: float | None = None
+        hurried_at: float | None = None
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            # Runs in the signal handler: flags and a SimpleQueue put only.
+            self.signals += 1
+            current = state()
+            if self.signals == 1:
+                self.signalled_at = time.monotonic()
+                if current is not None:
+                    current.draining = True
+            else:
+                self.hurried_at = time.monotonic()
+            if current is not None and (grace == 0 or self.signals > 1):
+                current.engine.begin_shutdown()
+            super().handle_exit(sig, frame)  # records the signal, to re-raise it at exit
+            if self.signals == 2:
+                # uvicorn forces the exit on a second SIGINT, cutting the streams
+                # before their error frames are out: end_requests() bounds the wait.
+                self.force_exit = False
+            elif self.signals > 2:
+                self.force_exit = True
+
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            current = state()
+            if current is None:  # stopped before the model was loaded
+                await super().shutdown(sockets)
+                return
+            current.draining = True  # also when the exit did not come from a signal
+            start = self.signalled_at if self.signalled_at is not None else time.monotonic()
+
+            async def end_requests() -> None:
+                while time.monotonic() < start + grace and self.hurried_at is None:
+                    await asyncio.sleep(0.05)
+                current.engine.begin_shutdown()
+                if self.hurried_at is not None:
+                    await asyncio.sleep(self.hurried_at + _FLUSH_SECONDS - time.monotonic())
+                    self.force_exit = True  # stop waiting for connections that did not close
+
+            ender = asyncio.create_task(end_requests())
+            try:
+                await super().shutdown(sockets)  # returns once every connection is closed
+            finally:
+                ender.cancel()
 
     config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=math.ceil(grace + _FLUSH_SECONDS),
     )
-    Server(config).run()
+    try:
+        Server(config).run()
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled
+        return 130
     return 0
 
 

@@ -109,8 +109,11 @@ def test_sdk_non_stream_timeout_frees_slot(base: str) -> None:
     assert wait_idle(base, within=2.5) < 2.5
 
 
-def test_shutdown_ends_streams_with_an_error_frame() -> None:
-    """SIGTERM mid-stream: the client gets an `event: error` frame, then the end."""
+def test_shutdown_without_grace_ends_streams_with_an_error_frame_at_once() -> None:
+    """``--shutdown-grace 0``: SIGTERM mid-stream ends it with an `event: error` frame now.
+
+    (With a grace, running streams may finish first: test_shutdown.py.)
+    """
     import signal
     import sys
     from pathlib import Path
@@ -118,7 +121,8 @@ def test_shutdown_ends_streams_with_an_error_frame() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from servers import serve_process_handle
 
-    with serve_process_handle("--threads", "1", "--log-level", "warning") as (url, proc):
+    args = ("--threads", "1", "--log-level", "warning", "--shutdown-grace", "0")
+    with serve_process_handle(*args) as (url, proc):
         body = {
             "messages": [{"role": "user", "content": "Tell a long story."}],
             "max_tokens": 1500,
@@ -126,16 +130,23 @@ def test_shutdown_ends_streams_with_an_error_frame() -> None:
             "stream": True,
         }
         received = b""
+        signalled = 0.0
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
             assert r.status_code == 200
             for chunk in r.iter_raw():
                 received += chunk
-                if received.count(b"data: ") == 5:
+                if not signalled and received.count(b"data: ") >= 5:
                     proc.send_signal(signal.SIGTERM)
+                    signalled = time.monotonic()
+        ended = time.monotonic() - signalled
         # uvicorn shuts down, then re-raises the signal it caught (-SIGTERM).
         assert proc.wait(30) in (0, -signal.SIGTERM)
+        exited = time.monotonic() - signalled
+    assert signalled
     tail = received.rstrip().rsplit(b"\n\n", 1)[-1]
     assert tail.startswith(b"event: error\ndata: "), tail
     payload = json.loads(tail.split(b"data: ", 1)[1])
     assert payload["code"] == "shutting_down" and payload["error"]["type"] == "server_error"
     assert b"data: [DONE]" not in received
+    assert ended < 1.5, ended  # at once, not after a grace
+    assert exited < 5, exited
