@@ -42,13 +42,33 @@ def _validate(data: dict[str, Any], model: type[M]) -> M:
         parsed = model.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
-        loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"])
-        loc = loc.removeprefix(".")
+        loc = _field_path(first["loc"], data)
         raise InvalidRequest(f"Invalid '{loc}': {first['msg']}", param=loc or None) from exc
     unknown = parsed.unknown_fields()  # type: ignore[attr-defined]
     if unknown:
         log.info("ignoring unknown request fields: %s", ", ".join(unknown))
     return parsed
+
+
+def _field_path(loc: tuple[int | str, ...], data: Any) -> str:
+    """``messages[0].content`` from pydantic's location, without its union-member tags.
+
+    Pydantic puts the member it tried into the location (``prompt.str``,
+    ``content.list[ContentPart]``); a step that is not a key or index of the body
+    there is such a tag, except a last step into an object (a missing field).
+    """
+    path = ""
+    node = data
+    for i, step in enumerate(loc):
+        if isinstance(step, int) and isinstance(node, list) and 0 <= step < len(node):
+            node = node[step]
+            path += f"[{step}]"
+        elif (
+            isinstance(step, str) and isinstance(node, dict) and (step in node or i == len(loc) - 1)
+        ):
+            node = node.get(step)
+            path += f".{step}" if path else step
+    return path
 
 
 def _wants_sse(request: Request) -> bool:
