@@ -189,3 +189,25 @@ def test_valid_request_still_works_after_all_that(base: str) -> None:
     r = httpx.post(base + CHAT, json=body, timeout=30)
     assert r.status_code == 200, r.text
     assert json.loads(r.text)["choices"][0]["message"]["content"] == "Hello world!"
+
+
+def test_client_gone_before_its_body_arrived_is_quiet(
+    base: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(base)
+    with caplog.at_level("ERROR"):
+        for _ in range(3):
+            sock = socket.create_connection((url.hostname, url.port), timeout=5)
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 1000\r\n\r\n{"prompt": "half a bo'
+            )
+            time.sleep(0.1)
+            sock.close()
+        time.sleep(0.3)
+        assert httpx.get(base + "/health", timeout=5).status_code == 200
+    errors = [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
+    assert not errors, [r.getMessage() for r in errors]

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from sluice.api.body import read_body
@@ -111,10 +111,15 @@ async def _complete(
     request: Request, model: type[ChatCompletionRequest | CompletionRequest]
 ) -> Response:
     state = _state(request)
+    service = state.service
+    try:
+        raw = await read_body(request, state.settings.max_body_bytes)
+    except ClientDisconnect:  # gone before its body arrived: nobody to answer
+        return Response(status_code=499)
+    # Refused after the body is read: an unread body would reset the connection
+    # under the 503 for a client that sent "Connection: close".
     if state.draining:
         raise ShuttingDown("The server is shutting down; no new requests are admitted.")
-    service = state.service
-    raw = await read_body(request, state.settings.max_body_bytes)
     # Parsing, templates, tokenization and grammars run on worker threads: one
     # heavy request must never stall other streams or /health.
     parsed = await state.offload.run(lambda: _parse(raw, model, state.limits))
