@@ -8,8 +8,11 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import socket
+import struct
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
@@ -89,6 +92,12 @@ class SSEResponse:
     ``ping_interval`` seconds of silence (long queue waits, long prefills);
     when the client disconnects the producer is cancelled and ``on_close``
     runs at once, so the engine frees the slot within one step.
+
+    A client that stops reading: the server's ``send`` blocks once the
+    socket's buffers are full, so the producer stops taking events and the
+    engine pauses the generation (``EngineConfig.stream_buffer``). A ``send``
+    still blocked after ``stall_timeout`` seconds (``<= 0``: never) ends the
+    response as a disconnect would, and drops the connection.
     """
 
     def __init__(
@@ -111,13 +120,18 @@ class SSEResponse:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         loop = asyncio.get_running_loop()
         lock = asyncio.Lock()
+        # When the last send began, and whether it is still blocked: one clock
+        # read per chunk serves both the ping timer and the stall watch.
         last_sent = loop.time()
+        sending = False
 
-        async def emit(chunk: bytes) -> None:
-            nonlocal last_sent
+        async def emit(chunk: bytes, more_body: bool = True) -> None:
+            nonlocal last_sent, sending
             async with lock:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 last_sent = loop.time()
+                sending = True
+                await send({"type": "http.response.body", "body": chunk, "more_body": more_body})
+                sending = False
 
         async def produce() -> None:
             await send({"type": "http.response.start", "status": 200, "headers": self.headers})
@@ -127,25 +141,77 @@ class SSEResponse:
             except Exception as exc:  # a bug below: end the stream visibly, not silently
                 log.exception("stream producer failed")
                 await emit(error_frame(exc))
-            async with lock:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await emit(b"", more_body=False)
 
         async def ping() -> None:
             # A separate timer, so the per-chunk path stays one plain await.
             while True:
-                await asyncio.sleep(max(0.0, last_sent + self.ping_interval - loop.time()))
-                if loop.time() - last_sent >= self.ping_interval:
+                # (A blocked send is not silence: the client is not taking it.)
+                wait = (
+                    self.ping_interval if sending else last_sent + self.ping_interval - loop.time()
+                )
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                else:
                     await emit(PING)
+
+        def stall_wait() -> float | None:
+            """Seconds until a send blocked now would have stalled (None: never)."""
+            if self.stall_timeout <= 0:
+                return None
+            if not sending:
+                return self.stall_timeout
+            return last_sent + self.stall_timeout - loop.time()
 
         producer = asyncio.ensure_future(produce())
         others = [asyncio.ensure_future(_wait_disconnect(receive)), asyncio.ensure_future(ping())]
+        stalled = False
         try:
-            await asyncio.wait({producer, others[0]}, return_when=asyncio.FIRST_COMPLETED)
+            # Wake only to check for a stall: once per stall_timeout while all is well.
+            while not (producer.done() or others[0].done()):
+                timeout = stall_wait()
+                if timeout is not None and timeout <= 0:
+                    stalled = True
+                    break
+                await asyncio.wait(
+                    {producer, others[0]}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                )
         finally:
             for task in (producer, *others):
                 task.cancel()
             await asyncio.gather(producer, *others, return_exceptions=True)
             self.on_close()
+        if stalled:
+            log.warning(
+                "a streaming client read nothing for %gs: its request was aborted",
+                self.stall_timeout,
+            )
+            await _drop_connection(receive)
+
+
+async def _drop_connection(receive: Receive) -> None:
+    """End a stalled client's connection now, with a reset, unsent bytes and all.
+
+    ASGI has no message for this. Returning with the response unfinished
+    makes the server close the transport, but a close first flushes the
+    write buffer, which a client that does not read never takes: the
+    connection and its buffers would stay. uvicorn's ``receive`` is a method
+    of the request cycle that holds the transport: abort that, with
+    ``SO_LINGER`` 0 so that the kernel drops its send queue too (as nginx's
+    ``reset_timedout_connection`` does). Elsewhere, the server's close stands.
+    """
+    # (uvloop's transports are not asyncio.Transport subclasses: duck typing.)
+    transport: Any = getattr(getattr(receive, "__self__", None), "transport", None)
+    if not callable(getattr(transport, "abort", None)):
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
+    # Let the server see the connection lost before the app returns, so that it
+    # does not log the unfinished response as an application error.
+    await asyncio.sleep(0)
 
 
 async def _wait_disconnect(receive: Receive) -> None:

@@ -3,6 +3,12 @@
 Everyone else talks to it through commands on a thread-safe queue (add,
 abort, stop); events go back to each request's sink, delivered once per step.
 
+Backpressure: a request whose consumer has not taken ``stream_buffer`` steps
+of output is paused (its sequences keep their slot, KV cache and sampled next
+token, but are left out of the batch) until the consumer catches up; when
+every active sequence is paused the thread sleeps until a command or a
+consumer wakes it.
+
 Example::
 
     engine = Engine(runner, EngineConfig(n_parallel=4, max_queue=16))
@@ -57,7 +63,8 @@ class EngineConfig:
     # on the 2-core CI machine, so 128 is ~0.35 s).
     prefill_while_decoding: int = 128
     # Engine steps of output a response may have delivered but not yet consumed
-    # (a client that is not reading); past it, its sequences are not decoded.
+    # (a client that is not reading); past it, its sequences are not decoded
+    # until the consumer has taken half of it.
     stream_buffer: int = 256
 
 
@@ -75,6 +82,7 @@ class EngineStats:
     tokens_generated: int
     prompt_tokens_processed: int
     cached_tokens: int
+    paused: int = 0  # sequences in slots waiting for their client to read (backpressure)
 
 
 @dataclass(slots=True)
@@ -95,6 +103,7 @@ class _Work:
     t_admit: float = 0.0
     t_first: float = 0.0
     echo_utf8: Utf8Assembler = field(default_factory=Utf8Assembler)
+    paused: bool = False  # its sink's backlog went over the bound; left out of batches
 
 
 @dataclass(slots=True)
@@ -120,6 +129,18 @@ class _Stop:
     pass
 
 
+@dataclass(frozen=True, slots=True)
+class _Wake:
+    """A paused request's consumer caught up: only ends a wait for commands."""
+
+
+_WAKE = _Wake()
+
+# When every active sequence is paused, the engine waits for a command or a
+# consumer's wake-up; this bounds the wait in case a sink never wakes it.
+_PAUSED_POLL = 0.1
+
+
 class EngineHandle:
     """What :meth:`Engine.submit` returns: pass it to :meth:`Engine.abort`."""
 
@@ -137,7 +158,7 @@ class Engine:
         self.config = config
         n_slots = min(config.n_parallel, runner.n_seq_max)
         self._slots = [_Slot(seq) for seq in range(n_slots)]
-        self._commands: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Stop | _Wake] = queue.SimpleQueue()
         self._waiting: deque[_Work] = deque()
         self._keys = itertools.count(1)
         self._admissions = itertools.count()
@@ -147,6 +168,9 @@ class Engine:
         self._stopping = False
         self._finished = False
         self._counters = {"steps": 0, "generated": 0, "prompt": 0, "cached": 0}
+        self._buffer = max(1, config.stream_buffer)
+        self._resume_at = self._buffer // 2
+        self._paused = 0
         self.stats = self._snapshot()
 
     # -- public API, any thread ---------------------------------------------
@@ -233,12 +257,20 @@ class Engine:
 
     # -- engine thread --------------------------------------------------------
 
+    def _wake(self) -> None:
+        """Any thread: a paused request's consumer caught up; plan again now."""
+        self._commands.put(_WAKE)
+
     def _run(self) -> None:
         try:
+            ran = True
             while True:
                 busy = any(s.state is not SlotState.IDLE for s in self._slots) or self._waiting
-                # 1. Commands: block only when there is nothing to compute.
-                if not self._drain(block=not busy):
+                # 1. Commands: block only when there is nothing to compute. When every
+                #    active sequence is paused, a consumer that catches up wakes us.
+                if not self._drain(
+                    block=not (busy and ran), timeout=_PAUSED_POLL if busy else None
+                ):
                     break
                 # 2. Admit queued work into idle slots (prefix-cache aware), and say
                 #    so at once: a snapshot from the previous step would show a slot
@@ -247,8 +279,8 @@ class Engine:
                     self.stats = self._snapshot()
                 # 3. Keep the active sequences on the lowest sequence ids (see _compact).
                 self._compact()
-                # 4. One decode over every active sequence, then sample.
-                self._step()
+                # 4. One decode over every active sequence that is not paused, then sample.
+                ran = self._step()
                 self.stats = self._snapshot()
         except Exception as exc:  # pragma: no cover - last-resort guard
             log.exception("engine thread crashed")
@@ -260,10 +292,10 @@ class Engine:
             self._fail_leftovers(ShuttingDown("The server is shutting down."))
             self.stats = self._snapshot()
 
-    def _drain(self, *, block: bool) -> bool:
+    def _drain(self, *, block: bool, timeout: float | None = None) -> bool:
         """Apply pending commands; False once told to stop."""
         try:
-            cmd = self._commands.get(block=block)
+            cmd = self._commands.get(block=block, timeout=timeout)
         except queue.Empty:
             return True
         while True:
@@ -271,7 +303,7 @@ class Engine:
                 return False
             if isinstance(cmd, _Add):
                 self._waiting.extend(cmd.works)
-            else:
+            elif isinstance(cmd, _Abort):
                 self._abort_keys(set(cmd.keys))
             try:
                 cmd = self._commands.get_nowait()
@@ -339,16 +371,27 @@ class Engine:
             dst.state, dst.cache, dst.work = src.state, src.cache, src.work
             src.state, src.cache, src.work = SlotState.IDLE, [], None
 
-    def _step(self) -> None:
-        views = [
-            SlotView(
-                s.seq,
-                s.state,
-                len(s.work.req.prompt_tokens) - s.work.prompt_done if s.work else 0,
-                s.work.admitted_order if s.work else 0,
+    def _step(self) -> bool:
+        """One decode over the planned sequences; False if there was nothing to run."""
+        views: list[SlotView] = []
+        paused = 0
+        for s in self._slots:
+            work = s.work
+            if work is None:
+                views.append(SlotView(s.seq, s.state))
+                continue
+            held = self._held(work)
+            paused += held
+            views.append(
+                SlotView(
+                    s.seq,
+                    s.state,
+                    len(work.req.prompt_tokens) - work.prompt_done,
+                    work.admitted_order,
+                    held,
+                )
             )
-            for s in self._slots
-        ]
+        self._paused = paused
         # Entries in sequence-id order: llama.cpp puts only increasing, consecutive
         # ids into one ubatch (see _compact).
         plan = sorted(
@@ -356,7 +399,7 @@ class Engine:
             key=lambda p: p.seq,
         )
         if not plan:
-            return
+            return False
         entries, rows = self._build_batch(plan)
         try:
             self.runner.decode(entries)
@@ -364,13 +407,34 @@ class Engine:
             log.error("decode failed: %s", exc)
             for p in plan:
                 self._fail_slot(self._slots[p.seq], EngineFailure(f"Decoding failed: {exc}"))
-            return
+            return True
         self._counters["steps"] += 1
+        # One delivery per sink per step (the n choices of a response share one), so
+        # a sink's backlog counts steps.
         outbox: dict[int, tuple[EventSink, list[Event]]] = {}
         for p, entry, row in zip(plan, entries, rows):
             self._after_decode(self._slots[p.seq], p, entry, row, outbox)
         for sink, events in outbox.values():
             _deliver(sink, events)
+        return True
+
+    def _held(self, work: _Work) -> bool:
+        """Backpressure: whether ``work`` sits out this step because its client is behind.
+
+        Paused past ``stream_buffer`` undelivered steps, resumed at half of it,
+        so a slow reader gets output in bursts rather than one wake-up per step.
+        """
+        backlog = work.sink.backlog()
+        if work.paused:
+            if backlog > self._resume_at:
+                return True
+            work.paused = False
+            return False
+        if backlog <= self._buffer:
+            return False
+        work.paused = True
+        work.sink.pause(self._resume_at, self._wake)
+        return True
 
     def _build_batch(self, plan: list[Planned]) -> tuple[list[BatchEntry], list[int]]:
         entries: list[BatchEntry] = []
@@ -404,7 +468,7 @@ class Engine:
     ) -> None:
         work = slot.work
         assert work is not None
-        events = outbox.setdefault(work.key, (work.sink, []))[1]
+        events = outbox.setdefault(id(work.sink), (work.sink, []))[1]
         slot.cache.extend(entry.tokens)
         if p.prefill:
             if entry.logits_all:
@@ -550,6 +614,7 @@ class Engine:
             tokens_generated=self._counters["generated"],
             prompt_tokens_processed=self._counters["prompt"],
             cached_tokens=self._counters["cached"],
+            paused=self._paused,
         )
 
 

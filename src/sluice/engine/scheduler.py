@@ -24,6 +24,7 @@ class SlotView:
     state: SlotState
     prompt_remaining: int = 0  # prompt tokens not yet in the KV cache
     admitted_at: int = 0  # admission order, breaks prefill ties
+    paused: bool = False  # its client has not taken what it already has: skip it
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +39,9 @@ def plan_batch(
 ) -> list[Planned]:
     """Decode tokens first, then prefill chunks shortest-remaining first, within ``n_batch``.
 
+    Paused slots are left out; the prefill cap applies only while some slot
+    that is not paused is generating.
+
     >>> plan_batch([SlotView(0, SlotState.GENERATING),
     ...             SlotView(1, SlotState.PREFILLING, prompt_remaining=900)], 512)
     [Planned(seq=0, n_tokens=1, prefill=False), Planned(seq=1, n_tokens=511, prefill=True)]
@@ -45,14 +49,18 @@ def plan_batch(
     plan: list[Planned] = []
     budget = n_batch
     for slot in slots:
-        if slot.state is SlotState.GENERATING and budget > 0:
+        if slot.state is SlotState.GENERATING and not slot.paused and budget > 0:
             plan.append(Planned(slot.seq, 1, False))
             budget -= 1
     if prefill_while_decoding is not None and plan:
         # Others are waiting for their next token: keep this step short.
         budget = min(budget, prefill_while_decoding)
     prefilling = sorted(
-        (s for s in slots if s.state is SlotState.PREFILLING and s.prompt_remaining > 0),
+        (
+            s
+            for s in slots
+            if s.state is SlotState.PREFILLING and s.prompt_remaining > 0 and not s.paused
+        ),
         key=lambda s: (s.prompt_remaining, s.admitted_at),
     )
     for slot in prefilling:

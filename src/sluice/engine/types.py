@@ -7,6 +7,7 @@ validated OpenAI request into an :class:`EngineRequest`.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -75,6 +76,36 @@ class EventSink(Protocol):
 
     Called once per engine step with everything that step produced for the
     request, so a busy batch costs one cross-thread wake-up per request.
+
+    Backpressure: :meth:`backlog` is how many deliveries the consumer has not
+    taken yet. Past the engine's bound (``EngineConfig.stream_buffer``) the
+    request's sequences are not decoded, and the engine calls :meth:`pause`
+    so that the consumer can wake it when it has caught up. A sink whose
+    consumer never falls behind returns 0 and may ignore ``pause``.
+
+    Example (a sink that never holds anything back)::
+
+        class Collect:
+            def __init__(self) -> None:
+                self.events: list[Event] = []
+            def put_many(self, events: list[Event]) -> None:
+                self.events.extend(events)
+            def backlog(self) -> int:
+                return 0
+            def pause(self, resume_at: int, wake: Callable[[], None]) -> None:
+                pass
     """
 
-    def put_many(self, events: list[Event]) -> None: ...
+    def put_many(self, events: list[Event]) -> None:
+        """Engine thread: one step's events for this request."""
+        ...
+
+    def backlog(self) -> int:
+        """Engine thread: deliveries not yet taken by the consumer (cheap: once per step)."""
+        ...
+
+    def pause(self, resume_at: int, wake: Callable[[], None]) -> None:
+        """Engine thread: decoding for this sink stopped; call ``wake()`` (from any
+        thread, at least once) when :meth:`backlog` is at most ``resume_at``,
+        at once if it already is."""
+        ...

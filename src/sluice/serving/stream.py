@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import weakref
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Protocol
 
 from sluice.engine.engine import EngineHandle
@@ -74,20 +74,67 @@ def _mailbox(loop: asyncio.AbstractEventLoop) -> _Mailbox:
     return box
 
 
-class _LoopSink:
-    """Receives events on the engine thread, hands them to the event loop."""
+def _no_wake() -> None:
+    pass
 
-    __slots__ = ("_mailbox", "_queue")
+
+class _LoopSink:
+    """Receives events on the engine thread, hands them to the event loop.
+
+    Backpressure without a lock: two counters, each with one writer (the
+    engine thread counts deliveries, the loop counts what it took), so the
+    backlog is their difference. Likewise the engine counts its pauses and the
+    loop the wake-ups it sent: a pause not yet answered is a difference too,
+    and a wake-up is sent at most once per pause, from the loop, when the
+    backlog has fallen to ``resume_at``.
+    """
+
+    __slots__ = (
+        "_mailbox",
+        "_pauses",
+        "_posted",
+        "_queue",
+        "_resume_at",
+        "_taken",
+        "_wake",
+        "_wakes",
+    )
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._mailbox = _mailbox(loop)
         self._queue: asyncio.Queue[list[Event]] = asyncio.Queue()
+        self._posted = 0  # engine thread
+        self._taken = 0  # event loop
+        self._pauses = 0  # engine thread
+        self._wakes = 0  # event loop
+        self._resume_at = 0
+        self._wake: Callable[[], None] = _no_wake
+
+    # -- engine thread --------------------------------------------------------
 
     def put_many(self, events: list[Event]) -> None:
+        self._posted += 1
         self._mailbox.post(self._queue, events)
 
+    def backlog(self) -> int:
+        return self._posted - self._taken
+
+    def pause(self, resume_at: int, wake: Callable[[], None]) -> None:
+        self._resume_at = resume_at
+        self._wake = wake
+        self._pauses += 1  # last: the loop reads it first
+        if self._posted - self._taken <= resume_at:  # the loop caught up meanwhile
+            wake()
+
+    # -- event loop -------------------------------------------------------------
+
     async def get(self) -> list[Event]:
-        return await self._queue.get()
+        events = await self._queue.get()
+        self._taken += 1
+        if self._pauses != self._wakes and self._posted - self._taken <= self._resume_at:
+            self._wakes = self._pauses
+            self._wake()
+        return events
 
 
 class EventStream:
@@ -144,7 +191,8 @@ class EventStream:
             for event in await self._sink.get():
                 yield event
                 if isinstance(event, ErrorEvent):
-                    self._done = True
+                    # Not done: close() aborts the other choices, which may be paused
+                    # (nobody will read them now) rather than failed with this one.
                     return
                 if isinstance(event, Finish):
                     self._open.discard(event.choice)
