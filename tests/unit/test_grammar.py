@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import json
 import re
+from typing import Any
 
 import pytest
 
-from sluice.engine.grammar import (
+from sluice.errors import InvalidRequest
+from sluice.serving.grammar import (
     CallFraming,
     ToolSpec,
     integer_range_rule,
     json_schema_grammar,
     tool_call_grammar,
 )
-from sluice.errors import InvalidRequest
+
+from .gbnf_regex import grammar_regex
 
 
 def _regex(rule: str) -> re.Pattern[str]:
@@ -54,11 +58,36 @@ def test_unbounded_integer_has_no_special_rule() -> None:
         integer_range_rule(5, 1)
 
 
-def test_schema_grammar_uses_integer_bounds() -> None:
+@pytest.mark.parametrize(
+    ("bounds", "lo", "hi"),
+    [
+        ({"minimum": 1, "maximum": 20}, 1, 20),
+        ({"exclusiveMinimum": 0, "exclusiveMaximum": 21}, 1, 20),
+        ({"minimum": 0.5, "maximum": 20.9}, 1, 20),
+        ({"exclusiveMinimum": 0.5, "exclusiveMaximum": 20.5}, 1, 20),
+        ({"minimum": 0, "exclusiveMinimum": True, "maximum": 20}, 1, 20),  # draft 4
+        ({"minimum": -3, "maximum": 20, "exclusiveMinimum": 0}, 1, 20),  # the tighter bound
+    ],
+)
+def test_schema_grammar_accepts_exactly_the_bounded_integers(
+    bounds: dict[str, Any], lo: int, hi: int
+) -> None:
     g = json_schema_grammar(
-        {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 20}}}
+        {"type": "object", "properties": {"n": {"type": "integer", **bounds}}, "required": ["n"]}
     )
-    assert "[1-9]" in g and "root ::=" in g
+    rx = grammar_regex(g)
+    accepted = [n for n in range(-100, 1000) if rx.fullmatch(json.dumps({"n": n}))]
+    assert accepted == list(range(lo, hi + 1))
+    assert not rx.fullmatch('{"n": 01}') and not rx.fullmatch('{"n": 1.0}')
+
+
+def test_integer_bounds_beyond_fifteen_digits() -> None:
+    # An upper bound past 15 digits is the unbounded rule's 15 digits, not a 400 or a huge rule.
+    g = json_schema_grammar({"type": "integer", "minimum": 0, "maximum": 1e300})
+    rx = grammar_regex(g)
+    assert rx.fullmatch("0 ") and rx.fullmatch("9" * 15) and not rx.fullmatch("1" + "0" * 15)
+    with pytest.raises(InvalidRequest):
+        json_schema_grammar({"type": "integer", "minimum": 1e20})
 
 
 def test_invalid_schema_is_invalid_request() -> None:

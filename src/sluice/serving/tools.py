@@ -4,9 +4,14 @@ One :class:`OutputPlan` per request says how the prompt carries the tools
 (the template's own tool support, or a generic system prompt), which
 grammar constrains decoding, and which streaming parsers read the output.
 
+Tools and schemas are user input that becomes a grammar, so
+:class:`ToolLimits` bounds them: how many tools, how many bytes of schema,
+and how many repetition rules the grammar may hold. Each limit is a 400
+naming the field and the setting.
+
 Example::
 
-    plan = OutputPlan.build(body, fmt="generic", reasoning=None)
+    plan = OutputPlan.build(body, fmt="generic", reasoning=None, limits=ToolLimits())
     messages = plan.prepare_messages(messages)
     sampling = replace(sampling, grammar=plan.grammar, grammar_triggers=plan.triggers)
 """
@@ -18,19 +23,20 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from sluice.engine.grammar import (
-    CallFraming,
-    ToolSpec,
-    json_object_grammar,
-    json_schema_grammar,
-    tool_call_grammar,
-)
 from sluice.errors import InvalidRequest
 from sluice.parsers import generic
 from sluice.parsers.base import StreamParser
 from sluice.parsers.reasoning import ReasoningParser
 from sluice.parsers.registry import tool_parser
 from sluice.protocol.openai import ChatCompletionRequest
+from sluice.serving.grammar import (
+    DEFAULT_MAX_REPEAT,
+    CallFraming,
+    ToolSpec,
+    json_object_grammar,
+    json_schema_grammar,
+    tool_call_grammar,
+)
 
 # How each family frames its calls; the parsers in sluice.parsers read exactly this.
 FRAMINGS: dict[str, CallFraming] = {
@@ -47,6 +53,27 @@ TRIGGERS: dict[str, str | None] = {
     "llama3": None,
 }
 MAX_PARALLEL_CALLS = 8
+_RESPONSE_SCHEMA = "response_format.json_schema.schema"
+
+
+@dataclass(frozen=True, slots=True)
+class ToolLimits:
+    """What one request's tools and schemas may cost (Settings ``max_tools``...).
+
+    ``max_output_chars`` is the longest output the request can produce (context
+    tokens times the longest token piece), when known: a schema maximum beyond
+    it is compiled as unbounded instead of counting against ``max_grammar_repeat``.
+
+    Example::
+
+        ToolLimits(max_tools=s.max_tools, max_schema_bytes=s.max_schema_bytes,
+                   max_grammar_repeat=s.max_grammar_repeat, max_output_chars=n_ctx * piece)
+    """
+
+    max_tools: int = 128
+    max_schema_bytes: int = 131072
+    max_grammar_repeat: int = DEFAULT_MAX_REPEAT
+    max_output_chars: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,10 +98,18 @@ class OutputPlan:
 
     @classmethod
     def build(
-        cls, body: ChatCompletionRequest, *, fmt: str, reasoning: ReasoningMarkers | None
+        cls,
+        body: ChatCompletionRequest,
+        *,
+        fmt: str,
+        reasoning: ReasoningMarkers | None,
+        limits: ToolLimits = ToolLimits(),
     ) -> OutputPlan:
-        tools = _validate_tools(body.tools)
+        """The plan for ``body``; :class:`InvalidRequest` (400) naming the field if not."""
+        tools = _validate_tools(body.tools, limits)
         choice = _tool_choice(body.tool_choice, tools)
+        response_schema = _response_schema(body.response_format)
+        _check_schema_bytes(tools, response_schema, limits)
         plan = cls(
             fmt=fmt,
             tools=tools if choice != "none" else [],
@@ -83,14 +118,14 @@ class OutputPlan:
             raw_tool_choice=body.tool_choice,
             parallel=body.parallel_tool_calls is not False,
         )
-        json_grammar = _response_format_grammar(body.response_format)
+        json_grammar = _response_format_grammar(response_schema, limits)
         if choice == "required" or choice.startswith("function:"):
             named = choice.split(":", 1)[1] if choice != "required" else None
-            plan.grammar = _call_grammar(tools, named, fmt, body.parallel_tool_calls)
+            plan.grammar = _call_grammar(tools, named, fmt, body.parallel_tool_calls, limits)
         elif json_grammar is not None:
             plan.grammar = json_grammar
         elif choice == "auto" and TRIGGERS.get(fmt):
-            plan.grammar = _call_grammar(tools, None, fmt, body.parallel_tool_calls)
+            plan.grammar = _call_grammar(tools, None, fmt, body.parallel_tool_calls, limits)
             plan.trigger_tag = TRIGGERS[fmt]
         return plan
 
@@ -161,7 +196,11 @@ class OutputPlan:
 
 
 def _call_grammar(
-    tools: list[dict[str, Any]], only: str | None, fmt: str, parallel: bool | None
+    tools: list[dict[str, Any]],
+    only: str | None,
+    fmt: str,
+    parallel: bool | None,
+    limits: ToolLimits,
 ) -> str:
     """Calls of ``tools`` (or only the one named), arguments per each tool's schema."""
     specs = [
@@ -173,7 +212,13 @@ def _call_grammar(
         for i, t in enumerate(tools)
         if only is None or t["function"]["name"] == only
     ]
-    return tool_call_grammar(specs, FRAMINGS[fmt], max_calls=_max_calls(parallel, len(specs)))
+    return tool_call_grammar(
+        specs,
+        FRAMINGS[fmt],
+        max_calls=_max_calls(parallel, len(specs)),
+        max_repeat=limits.max_grammar_repeat,
+        max_output_chars=limits.max_output_chars,
+    )
 
 
 def _max_calls(parallel: bool | None, n_tools: int) -> int:
@@ -186,7 +231,13 @@ def _max_calls(parallel: bool | None, n_tools: int) -> int:
     return MAX_PARALLEL_CALLS
 
 
-def _validate_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+def _validate_tools(tools: list[dict[str, Any]] | None, limits: ToolLimits) -> list[dict[str, Any]]:
+    if tools is not None and len(tools) > limits.max_tools:
+        raise InvalidRequest(
+            f"This request offers {len(tools)} tools; the limit is {limits.max_tools} "
+            "(--max-tools).",
+            param="tools",
+        )
     out: list[dict[str, Any]] = []
     names: set[str] = set()
     for i, tool in enumerate(tools or []):
@@ -230,27 +281,53 @@ def _tool_choice(raw: str | dict[str, Any] | None, tools: list[dict[str, Any]]) 
         if raw != "none" and not tools:
             raise InvalidRequest(f"tool_choice '{raw}' needs 'tools'", param="tool_choice")
         return raw
-    name = (raw.get("function") or {}).get("name") if isinstance(raw, dict) else None
+    shape = "{'type': 'function', 'function': {'name': ...}}"
+    if not isinstance(raw, dict):
+        raise InvalidRequest(
+            f"tool_choice must be none, auto, required or {shape}", param="tool_choice"
+        )
+    kind = raw.get("type", "function")
+    if kind != "function":
+        raise InvalidRequest(
+            f"tool_choice type {_short(kind)} is not supported: use {shape}",
+            param="tool_choice.type",
+        )
+    fn = raw.get("function")
+    if not isinstance(fn, dict):
+        raise InvalidRequest(
+            f"tool_choice.function must be an object: {shape}", param="tool_choice.function"
+        )
+    name = fn.get("name")
     if not isinstance(name, str):
         raise InvalidRequest(
-            "tool_choice must name a function: {'type': 'function', 'function': {'name': ...}}",
-            param="tool_choice",
+            f"tool_choice.function.name must be a string: {shape}",
+            param="tool_choice.function.name",
+        )
+    if not tools:
+        raise InvalidRequest(
+            f"tool_choice names '{_short(name)}' but there are no 'tools'", param="tool_choice"
         )
     if name not in {t["function"]["name"] for t in tools}:
         raise InvalidRequest(
-            f"tool_choice names '{name}', which is not in 'tools'", param="tool_choice"
+            f"tool_choice names '{_short(name)}', which is not in 'tools'", param="tool_choice"
         )
     return f"function:{name}"
 
 
-def _response_format_grammar(fmt: dict[str, Any] | None) -> str | None:
+def _short(value: Any, n: int = 64) -> str:
+    text = value if isinstance(value, str) else json.dumps(value)
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def _response_schema(fmt: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The schema output must follow: None for text, ``{}`` marks ``json_object``."""
     if not fmt:
         return None
     kind = fmt.get("type", "text")
     if kind == "text":
         return None
     if kind == "json_object":
-        return json_object_grammar()
+        return {}
     if kind == "json_schema":
         spec = fmt.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
@@ -258,12 +335,47 @@ def _response_format_grammar(fmt: dict[str, Any] | None) -> str | None:
                 "response_format.json_schema must be {'name': ..., 'schema': {...}}",
                 param="response_format.json_schema",
             )
-        return json_schema_grammar(
-            spec.get("schema") or {"type": "object"}, param="response_format.json_schema.schema"
-        )
+        schema: dict[str, Any] = spec.get("schema") or {"type": "object"}
+        return schema
     raise InvalidRequest(
-        f"response_format type '{kind}' is not one of text, json_object, json_schema",
+        f"response_format type {_short(kind)} is not one of text, json_object, json_schema",
         param="response_format.type",
+    )
+
+
+def _check_schema_bytes(
+    tools: list[dict[str, Any]], response_schema: dict[str, Any] | None, limits: ToolLimits
+) -> None:
+    """The JSON size of all the schemas; a 400 names the field where it passes the limit."""
+    fields = [
+        (f"tools[{i}].function.parameters", t["function"].get("parameters"))
+        for i, t in enumerate(tools)
+    ]
+    fields.append((_RESPONSE_SCHEMA, response_schema))
+    total = 0
+    for param, schema in fields:
+        if schema is None:
+            continue
+        total += len(json.dumps(schema))
+        if total > limits.max_schema_bytes:
+            raise InvalidRequest(
+                f"The JSON schemas of this request (tools' parameters and response_format) "
+                f"reach {total} bytes at '{param}'; the limit is {limits.max_schema_bytes} "
+                "(--max-schema-bytes).",
+                param=param,
+            )
+
+
+def _response_format_grammar(schema: dict[str, Any] | None, limits: ToolLimits) -> str | None:
+    if schema is None:
+        return None
+    if not schema:
+        return json_object_grammar()
+    return json_schema_grammar(
+        schema,
+        param=_RESPONSE_SCHEMA,
+        max_repeat=limits.max_grammar_repeat,
+        max_output_chars=limits.max_output_chars,
     )
 
 
