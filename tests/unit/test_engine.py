@@ -138,12 +138,14 @@ def test_active_sequences_are_compacted_onto_consecutive_ids() -> None:
 
 
 def test_full_slots_and_queue_answer_503_at_once() -> None:
+    # A runs for ~2 s (100 steps of 20 ms): long enough, even on a loaded machine, for
+    # the requests below to find the slot and the queue place taken.
     runner = ScriptedRunner(step_delay=0.02)
-    runner.scripts["A"] = [b"a"] * 15
+    runner.scripts["A"] = [b"a"] * 100
     runner.scripts["B"] = [b"b"] * 5
     with scripted_server(runner, parallel=1, queue=1) as base:
         a = Background(
-            lambda: post_stream(base, TEXT, {"prompt": "A", "max_tokens": 15, "stream": True})
+            lambda: post_stream(base, TEXT, {"prompt": "A", "max_tokens": 100, "stream": True})
         )
         wait_until(lambda: health(base)["slots"]["active"] == 1)
         b = Background(
@@ -169,7 +171,7 @@ def test_full_slots_and_queue_answer_503_at_once() -> None:
         assert [f.event for f in frames] == ["error"] and b"role" not in res.body
         assert len([s for s in runner.samplers if s.prompt == [ord("C")]]) == 0
 
-        assert text_text(a.result().chunks) == "a" * 15
+        assert text_text(a.result().chunks) == "a" * 100
         rb = b.result()
         assert rb.status_code == 200 and rb.json()["choices"][0]["text"] == "b" * 5
         h = wait_idle(base)

@@ -40,6 +40,7 @@ from sluice.protocol.body import BodyLimits
 from sluice.serving.completions import CompletionService, ServiceOptions
 from sluice.serving.offload import Offload
 from sluice.serving.templates import ChatTemplate
+from sluice.serving.tools import ToolLimits
 
 log = logging.getLogger("sluice.api")
 
@@ -96,6 +97,11 @@ def build_state(settings: Settings, runner: ModelRunner) -> ServerState:
             default_max_tokens=settings.default_max_tokens,
             tool_format=settings.tool_format,
             prompt_special_tokens=settings.prompt_special_tokens,
+            tool_limits=ToolLimits(
+                max_tools=settings.max_tools,
+                max_schema_bytes=settings.max_schema_bytes,
+                max_grammar_repeat=settings.max_grammar_repeat,
+            ),
         ),
     )
     limits = BodyLimits(

@@ -266,22 +266,22 @@ class Engine:
             ran = True
             while True:
                 busy = any(s.state is not SlotState.IDLE for s in self._slots) or self._waiting
+                wait = not (busy and ran)
+                if wait:  # what /health shows while the engine waits
+                    self.stats = self._snapshot()
                 # 1. Commands: block only when there is nothing to compute. When every
                 #    active sequence is paused, a consumer that catches up wakes us.
-                if not self._drain(
-                    block=not (busy and ran), timeout=_PAUSED_POLL if busy else None
-                ):
+                if not self._drain(block=wait, timeout=_PAUSED_POLL if busy else None):
                     break
-                # 2. Admit queued work into idle slots (prefix-cache aware), and say
-                #    so at once: a snapshot from the previous step would show a slot
-                #    idle beside a queued request for the whole of the next decode.
-                if self._admit():
-                    self.stats = self._snapshot()
+                # 2. Admit queued work into idle slots (prefix-cache aware), then publish
+                #    the snapshot: one taken between a step that freed a slot and this
+                #    admission would show the slot idle beside a queued request.
+                self._admit()
+                self.stats = self._snapshot()
                 # 3. Keep the active sequences on the lowest sequence ids (see _compact).
                 self._compact()
                 # 4. One decode over every active sequence that is not paused, then sample.
                 ran = self._step()
-                self.stats = self._snapshot()
         except Exception as exc:  # pragma: no cover - last-resort guard
             log.exception("engine thread crashed")
             self._fail_all(EngineFailure(f"The engine stopped: {exc}"))
@@ -318,14 +318,12 @@ class Engine:
             if slot.work is not None and slot.work.key in keys:
                 self._free_slot(slot)
 
-    def _admit(self) -> bool:
-        """Move waiting work into idle slots; True if anything was admitted."""
-        admitted = False
+    def _admit(self) -> None:
+        """Move waiting work into idle slots."""
         while self._waiting:
             idle = [s for s in self._slots if s.state is SlotState.IDLE]
             if not idle:
                 break
-            admitted = True
             work = self._waiting.popleft()
             prompt = work.req.prompt_tokens
             slot = max(idle, key=lambda s: (_common_prefix(s.cache, prompt), -len(s.cache)))
@@ -348,7 +346,6 @@ class Engine:
             _deliver(
                 work.sink, [Progress(work.req.choice, "prompt_processing", kept, len(prompt), kept)]
             )
-        return admitted
 
     def _compact(self) -> None:
         """Move the highest active sequence into the lowest idle slot, until dense.

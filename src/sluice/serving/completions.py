@@ -33,7 +33,7 @@ from sluice.serving.parsing import parse_stream
 from sluice.serving.prompt import ControlTextGuard
 from sluice.serving.stream import EventStream
 from sluice.serving.templates import ChatTemplate
-from sluice.serving.tools import OutputPlan, ReasoningMarkers
+from sluice.serving.tools import OutputPlan, ReasoningMarkers, ToolLimits
 
 log = logging.getLogger("sluice.serving")
 
@@ -46,6 +46,7 @@ class ServiceOptions:
     # /v1/completions: control-token text in a prompt becomes control tokens (the
     # client writes the whole prompt there); chat message text never does.
     prompt_special_tokens: bool = True
+    tool_limits: ToolLimits = field(default_factory=ToolLimits)
 
 
 @dataclass(slots=True)
@@ -72,6 +73,12 @@ class CompletionService:
         markers = detect_reasoning(source)
         self.reasoning = ReasoningMarkers(*markers) if markers else None
         self.guard = ControlTextGuard(self.runner.control_texts)
+        # No output can be longer than this many characters: a schema maximum past it
+        # is the same as none (and costs no grammar repetitions).
+        self.tool_limits = replace(
+            options.tool_limits,
+            max_output_chars=self.runner.n_ctx_seq * self.runner.max_piece_bytes,
+        )
 
     # -- models --------------------------------------------------------------
 
@@ -110,7 +117,9 @@ class CompletionService:
     def prepare_chat(self, body: ChatCompletionRequest) -> Generation:
         _reject_unsupported_chat(body)
         model = self.resolve_model(body.model)
-        plan = OutputPlan.build(body, fmt=self.tool_format, reasoning=self.reasoning)
+        plan = OutputPlan.build(
+            body, fmt=self.tool_format, reasoning=self.reasoning, limits=self.tool_limits
+        )
         messages = plan.prepare_messages(
             [_template_message(i, m) for i, m in enumerate(body.messages)]
         )
