@@ -230,3 +230,26 @@ def test_client_gone_before_its_body_arrived_is_quiet(
         assert httpx.get(base + "/health", timeout=5).status_code == 200
     errors = [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
     assert not errors, [r.getMessage() for r in errors]
+
+
+@pytest.mark.parametrize(
+    ("seed", "want"),
+    [
+        (-1, [None, None, None]),  # random, every choice (not -1+1 = a fixed 0)
+        (2**32 - 1, [None, None, None]),
+        (5, [5, 6, 7]),
+        (2**32 + 5, [5, 6, 7]),  # llama.cpp seeds are 32-bit
+        (2**32 - 2, [2**32 - 2, 0, 1]),  # never 2**32-1 by adding the index
+        (None, [None, None, None]),
+    ],
+)
+def test_seeds_of_the_choices(seed: int | None, want: list[int | None]) -> None:
+    runner = ScriptedRunner()
+    with scripted_server(runner) as url:
+        r = httpx.post(url + TEXT, json={"prompt": "s", "n": 3, "seed": seed}, timeout=30)
+        assert r.status_code == 200, r.text
+
+    def order(x: int | None) -> tuple[bool, int]:
+        return (x is not None, x or 0)
+
+    assert sorted((s.params.seed for s in runner.samplers), key=order) == sorted(want, key=order)

@@ -17,6 +17,15 @@ from sluice.errors import InvalidRequest
 
 _TOKEN_ID = re.compile(r"-?[0-9]{1,18}")
 _INT32_MAX = 2**31 - 1
+_RANDOM_SEED = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED: "pick one at random"
+
+
+def _seed(seed: int | None) -> int | None:
+    """llama.cpp seeds are 32-bit; -1 (and 2**32-1) mean random, as None does, so that
+    with n > 1 no choice gets a fixed seed by adding its index to -1."""
+    if seed is None or seed & 0xFFFFFFFF == _RANDOM_SEED:
+        return None
+    return seed & 0xFFFFFFFF
 
 
 class _Wire(BaseModel):
@@ -110,7 +119,7 @@ class _SamplingFields(_Wire):
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             penalty_last_n=last_n,
-            seed=self.seed,
+            seed=_seed(self.seed),
             logit_bias=tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items()),
             ignore_eos=self.ignore_eos,
         )

@@ -260,10 +260,11 @@ class CompletionService:
 
 
 def _choice_seed(sampling: SamplingParams, index: int) -> SamplingParams:
-    """Distinct but reproducible seeds for the choices of one request."""
+    """Distinct but reproducible seeds for the choices of one request (never 2**32-1,
+    which llama.cpp reads as "random")."""
     if index == 0 or sampling.seed is None:
         return sampling
-    return replace(sampling, seed=sampling.seed + index)
+    return replace(sampling, seed=(sampling.seed + index) % 0xFFFFFFFF)
 
 
 def _reject_unsupported_chat(body: ChatCompletionRequest) -> None:
