@@ -83,21 +83,27 @@ def nested(depth: int) -> str:
         (TEXT, b'{"prompt":"x","top_k":' + str(2**40).encode() + b',"max_tokens":1}', None),
         (
             CHAT,
-            b'{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function",'
-            b'"function":{"name":"f"}}],"tool_choice":{"type":"function","function":"f"}}',
+            (
+                b'{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function",'
+                b'"function":{"name":"f"}}],"tool_choice":{"type":"function","function":"f"}}'
+            ),
             "tool_choice.function",
         ),
         (
             CHAT,
-            b'{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function",'
-            b'"function":{"name":"f","parameters":{"type":"object","properties":[1]}}}]}',
+            (
+                b'{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function",'
+                b'"function":{"name":"f","parameters":{"type":"object","properties":[1]}}}]}'
+            ),
             "tools[0].function.parameters",
         ),
         (
             CHAT,
-            b'{"messages":[{"role":"user","content":"x"}],"response_format":{"type":'
-            b'"json_schema","json_schema":{"name":"s","schema":{"type":"string",'
-            b'"minLength":1000000000}}}}',
+            (
+                b'{"messages":[{"role":"user","content":"x"}],"response_format":{"type":'
+                b'"json_schema","json_schema":{"name":"s","schema":{"type":"string",'
+                b'"minLength":1000000000}}}}'
+            ),
             "response_format.json_schema.schema",
         ),
         (TEXT, b"\xff\xfe\xfa not utf-8", None),
