@@ -196,6 +196,7 @@ async def health(request: Request) -> Response:
                 "prefilling": stats.prefilling,
                 "generating": stats.generating,
                 "idle": stats.idle,
+                "paused": stats.paused,  # waiting for their client to read (backpressure)
             },
             "engine": {
                 "steps": stats.steps,
