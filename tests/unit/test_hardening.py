@@ -107,6 +107,12 @@ def nested(depth: int) -> str:
             "response_format.json_schema.schema",
         ),
         (TEXT, b"\xff\xfe\xfa not utf-8", None),
+        (CHAT, b'{"messages":[{"role":"user","content":"\xed\xa0\x80"}]}', None),  # CESU-8
+        (TEXT, '{"prompt":"0","max_tokens":1}'.encode("utf-16"), None),
+        (TEXT, b'{"prompt":"x","metadata":{"\\ud800":"\\udfff"}}', "metadata"),
+        (TEXT, b'{"prompt":"x","\\ud800":NaN}', None),
+        (TEXT, b'{"prompt":{"a":1}}', "prompt"),
+        (CHAT, b'{"messages":[{"content":"x"}]}', "messages[0].role"),
         (TEXT, b"[1, 2]", None),
         (TEXT, b"", None),
     ],

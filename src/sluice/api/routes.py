@@ -42,7 +42,7 @@ def _validate(data: dict[str, Any], model: type[M]) -> M:
         parsed = model.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
-        loc = _field_path(first["loc"], data)
+        loc = _field_path(first["loc"], data, missing=first["type"] == "missing")
         raise InvalidRequest(f"Invalid '{loc}': {first['msg']}", param=loc or None) from exc
     unknown = parsed.unknown_fields()  # type: ignore[attr-defined]
     if unknown:
@@ -50,12 +50,12 @@ def _validate(data: dict[str, Any], model: type[M]) -> M:
     return parsed
 
 
-def _field_path(loc: tuple[int | str, ...], data: Any) -> str:
+def _field_path(loc: tuple[int | str, ...], data: Any, *, missing: bool = False) -> str:
     """``messages[0].content`` from pydantic's location, without its union-member tags.
 
     Pydantic puts the member it tried into the location (``prompt.str``,
     ``content.list[ContentPart]``); a step that is not a key or index of the body
-    there is such a tag, except a last step into an object (a missing field).
+    there is such a tag, except the last step of a missing field.
     """
     path = ""
     node = data
@@ -64,7 +64,9 @@ def _field_path(loc: tuple[int | str, ...], data: Any) -> str:
             node = node[step]
             path += f"[{step}]"
         elif (
-            isinstance(step, str) and isinstance(node, dict) and (step in node or i == len(loc) - 1)
+            isinstance(step, str)
+            and isinstance(node, dict)
+            and (step in node or (missing and i == len(loc) - 1))
         ):
             node = node.get(step)
             path += f".{step}" if path else step

@@ -50,8 +50,15 @@ def as_sluice_error(error: BaseException) -> SluiceError:
     return EngineFailure(f"{type(error).__name__}: {error}")
 
 
+def _ascii_dumps(data: Any) -> str:
+    # Error messages may quote the client's input, lone surrogates included: escaped
+    # as \uXXXX they are still valid JSON, where raw they could not even be encoded.
+    return json.dumps(data, ensure_ascii=True, separators=(",", ":"))
+
+
 def error_frame(error: BaseException) -> bytes:
-    return encode(Frame(error_frame_payload(as_sluice_error(error)), event="error"))
+    payload = _ascii_dumps(error_frame_payload(as_sluice_error(error)))
+    return f"event: error\ndata: {payload}\n\n".encode()
 
 
 def error_response(error: SluiceError, *, sse: bool = False) -> Response:
@@ -60,7 +67,9 @@ def error_response(error: SluiceError, *, sse: bool = False) -> Response:
     headers = error.headers()
     if sse:
         return Response(error_frame(error), spec.status, headers, media_type="text/event-stream")
-    return Response(dumps(error_body(error)), spec.status, headers, media_type="application/json")
+    return Response(
+        _ascii_dumps(error_body(error)), spec.status, headers, media_type="application/json"
+    )
 
 
 class StreamFormatter(Protocol):

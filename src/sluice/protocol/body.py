@@ -110,8 +110,14 @@ def parse_json_body(raw: bytes, limits: BodyLimits) -> dict[str, Any]:
         return value if math.isfinite(value) else _Bad(text)
 
     try:
+        # Strictly UTF-8 (RFC 8259), a BOM allowed: json.loads on bytes would also take
+        # UTF-16/32 and surrogates encoded as UTF-8 (CESU-8), which are not text.
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest(f"The body is not valid UTF-8: {exc}") from exc
+    try:
         data = json.loads(
-            raw,
+            text,
             parse_int=parse_int,
             parse_float=parse_float,
             parse_constant=_Bad,
@@ -122,8 +128,6 @@ def parse_json_body(raw: bytes, limits: BodyLimits) -> dict[str, Any]:
             f"The body is nested too deeply (the limit is {limits.max_json_depth} levels, "
             "--max-json-depth)."
         ) from exc
-    except UnicodeDecodeError as exc:
-        raise InvalidRequest(f"The body is not valid UTF-8: {exc}") from exc
     except ValueError as exc:  # JSONDecodeError is a ValueError
         raise InvalidRequest(f"The body is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
@@ -144,6 +148,15 @@ def _check_tree(root: dict[str, Any], limits: BodyLimits, *, strings: bool) -> N
                 f"'{_path_to(root, node)}' (--max-json-depth).",
                 param=_path_to(root, node) or None,
             )
+        # Keys first: every path named below is then made of checked keys.
+        if strings and isinstance(node, dict):
+            for key in node:
+                if not _encodable(key):
+                    where = _path_to(root, node)
+                    raise InvalidRequest(
+                        f"A key in '{where or 'the body'}' contains a lone UTF-16 surrogate.",
+                        param=where or None,
+                    )
         children = node.values() if isinstance(node, dict) else node
         for child in children:
             kind = type(child)
@@ -163,14 +176,6 @@ def _check_tree(root: dict[str, Any], limits: BodyLimits, *, strings: bool) -> N
                     "which is not a character.",
                     param=where,
                 )
-        if strings and isinstance(node, dict):
-            for key in node:
-                if not _encodable(key):
-                    where = _path_to(root, node)
-                    raise InvalidRequest(
-                        f"A key in '{where or 'the body'}' contains a lone UTF-16 surrogate.",
-                        param=where or None,
-                    )
 
 
 def _encodable(text: str) -> bool:
