@@ -18,7 +18,6 @@ import contextlib
 import json
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,7 +26,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from servers import serve_process
+from servers import health_gaps_during, serve_process
 
 TINY = '{"role":"user","content":"hi"}'
 
@@ -98,31 +97,16 @@ CASES: dict[str, tuple[str, Callable[[], bytes]]] = {
 
 def measure(base: str, path: str, raw: bytes) -> tuple[int, float, float]:
     """(status, seconds the request took, longest /health gap in seconds)."""
-    gaps: list[float] = []
-    stop = threading.Event()
 
-    def poll() -> None:
-        with httpx.Client(base_url=base, timeout=30) as client:
-            last = time.monotonic()
-            while not stop.is_set():
-                client.get("/health")
-                now = time.monotonic()
-                gaps.append(now - last)
-                last = now
-                time.sleep(0.005)
+    def send() -> tuple[int, float]:
+        t0 = time.monotonic()
+        r = httpx.post(
+            base + path, content=raw, headers={"content-type": "application/json"}, timeout=600
+        )
+        return r.status_code, time.monotonic() - t0
 
-    poller = threading.Thread(target=poll, daemon=True)
-    poller.start()
-    time.sleep(0.3)
-    t0 = time.monotonic()
-    r = httpx.post(
-        base + path, content=raw, headers={"content-type": "application/json"}, timeout=600
-    )
-    took = time.monotonic() - t0
-    time.sleep(0.3)
-    stop.set()
-    poller.join(30)
-    return r.status_code, took, max(gaps)
+    (status, took), gaps = health_gaps_during(base, send, settle=0.3)
+    return status, took, max(gaps)
 
 
 @contextlib.contextmanager

@@ -87,3 +87,34 @@ def serve_process_handle(
         except subprocess.TimeoutExpired:
             proc.kill()
         log_file.close()
+
+
+def health_gaps_during(base: str, send: Any, settle: float = 0.2) -> tuple[Any, list[float]]:
+    """Run ``send()`` while polling ``/health`` every 5 ms from another thread.
+
+    Returns what ``send()`` returned and the gaps between consecutive /health
+    answers (the longest is how long the server could not answer).
+    """
+    gaps: list[float] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        with httpx.Client(base_url=base, timeout=30) as client:
+            last = time.monotonic()
+            while not stop.is_set():
+                assert client.get("/health").status_code == 200
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+                time.sleep(0.005)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    time.sleep(settle)
+    try:
+        result = send()
+    finally:
+        time.sleep(settle)
+        stop.set()
+        poller.join(30)
+    return result, gaps

@@ -3,12 +3,16 @@ off the event loop."""
 
 from __future__ import annotations
 
-import threading
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
 from openai import OpenAI
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from servers import health_gaps_during
 
 from .helpers import wait_idle
 
@@ -65,30 +69,13 @@ def test_a_huge_prompt_is_tokenized_off_the_event_loop(base: str) -> None:
         "messages": [{"role": "user", "content": "hello world. " * 300_000}],
         "max_tokens": 1,
     }
-    gaps: list[float] = []
-    stop = threading.Event()
 
-    def poll() -> None:
-        with httpx.Client(base_url=base, timeout=10) as c:
-            last = time.monotonic()
-            while not stop.is_set():
-                assert c.get("/health").status_code == 200
-                now = time.monotonic()
-                gaps.append(now - last)
-                last = now
-                time.sleep(0.005)
-
-    poller = threading.Thread(target=poll, daemon=True)
-    poller.start()
-    time.sleep(0.2)
-    try:
+    def send() -> tuple[httpx.Response, float]:
         t0 = time.monotonic()
         r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
-        took = time.monotonic() - t0
-    finally:
-        time.sleep(0.2)
-        stop.set()
-        poller.join(10)
+        return r, time.monotonic() - t0
+
+    (r, took), gaps = health_gaps_during(base, send)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     assert took > 0.3  # the work really was heavy enough to see a stall
     # The target is 100 ms; the bound allows for a machine shared with other work.

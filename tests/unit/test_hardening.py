@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -11,6 +10,7 @@ from typing import Any
 import httpx
 import pytest
 from fakes import ScriptedRunner
+from servers import health_gaps_during
 
 from .helpers import CHAT, TEXT, parse_sse, scripted_server, user, wait_idle
 
@@ -161,29 +161,7 @@ def test_unexpected_failure_is_a_json_500_not_a_text_page() -> None:
 
 
 def _health_gaps_during(base: str, send: Any) -> tuple[Any, list[float]]:
-    """Run ``send()`` while polling /health; returns its result and the gaps between answers."""
-    gaps: list[float] = []
-    stop = threading.Event()
-
-    def poll() -> None:
-        with httpx.Client(base_url=base, timeout=10) as c:
-            last = time.monotonic()
-            while not stop.is_set():
-                assert c.get("/health").status_code == 200
-                now = time.monotonic()
-                gaps.append(now - last)
-                last = now
-                time.sleep(0.005)
-
-    poller = threading.Thread(target=poll, daemon=True)
-    poller.start()
-    time.sleep(0.2)
-    try:
-        result = send()
-    finally:
-        time.sleep(0.2)
-        stop.set()
-        poller.join(10)
+    result, gaps = health_gaps_during(base, send)
     assert len(gaps) > 20
     return result, gaps
 
