@@ -91,7 +91,8 @@ def test_slow_reader_pauses_generation_with_flat_memory() -> None:
                 last, since = now, time.monotonic()
         stalled_at = last
         assert 0 < stalled_at < MAX_TOKENS // 2, stalled_at
-        assert health(base)["slots"]["active"] == 1  # paused, not finished
+        slots = health(base)["slots"]
+        assert slots["active"] == 1 and slots["paused"] == 1  # paused, not finished
         # While the client reads nothing: no tokens, and the server's memory stays flat.
         rss = [rss_kb(proc.pid)]
         for _ in range(20):
