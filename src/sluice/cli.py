@@ -92,6 +92,13 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="sum of the repetition bounds (maxLength, maxItems, ...) a constraint grammar "
         f"may expand (default: {d.max_grammar_repeat})",
     )
+    lim.add_argument(
+        "--max-grammar-alternatives",
+        type=int,
+        help="alternatives (enum values, anyOf branches, optional properties, ...) a "
+        "constraint grammar may hold open at one point of the output: each costs every "
+        f"sampled token a pass over the vocabulary (default: {d.max_grammar_alternatives})",
+    )
     p.add_argument(
         "--prompt-special-tokens",
         action=argparse.BooleanOptionalAction,

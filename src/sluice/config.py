@@ -45,6 +45,7 @@ class Settings:
     max_tools: int = 128
     max_schema_bytes: int = 128 * 1024  # JSON size of the tools' and response_format's schemas
     max_grammar_repeat: int = 4096  # sum of the repetition bounds a grammar may expand
+    max_grammar_alternatives: int = 32  # grammar alternatives open at one point (token cost)
     # text completions: control-token text in the prompt becomes control tokens
     prompt_special_tokens: bool = True
     # off-loop work (templates, tokenization, grammars)

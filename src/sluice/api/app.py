@@ -101,6 +101,7 @@ def build_state(settings: Settings, runner: ModelRunner) -> ServerState:
                 max_tools=settings.max_tools,
                 max_schema_bytes=settings.max_schema_bytes,
                 max_grammar_repeat=settings.max_grammar_repeat,
+                max_grammar_alternatives=settings.max_grammar_alternatives,
             ),
         ),
     )

@@ -6,8 +6,9 @@ grammar constrains decoding, and which streaming parsers read the output.
 
 Tools and schemas are user input that becomes a grammar, so
 :class:`ToolLimits` bounds them: how many tools, how many bytes of schema,
-and how many repetition rules the grammar may hold. Each limit is a 400
-naming the field and the setting.
+how many repetition rules the grammar may hold, and how many alternatives it
+may hold open at one point (what sampling each token costs). Each limit is a
+400 naming the field and the setting.
 
 Example::
 
@@ -30,6 +31,7 @@ from sluice.parsers.reasoning import ReasoningParser
 from sluice.parsers.registry import tool_parser
 from sluice.protocol.openai import ChatCompletionRequest
 from sluice.serving.grammar import (
+    DEFAULT_MAX_ALTERNATIVES,
     DEFAULT_MAX_REPEAT,
     CallFraming,
     ToolSpec,
@@ -64,15 +66,27 @@ class ToolLimits:
     tokens times the longest token piece), when known: a schema maximum beyond
     it is compiled as unbounded instead of counting against ``max_grammar_repeat``.
 
+    ``max_grammar_alternatives`` bounds the grammar's width: the parse stacks
+    llama.cpp may hold at one point of the output (anyOf/oneOf branches,
+    optional properties, enum values or tool names going on with different
+    characters, pattern alternatives, ambiguous repetitions; a stack that takes
+    a space next counts twice). The engine thread checks the whole vocabulary
+    against each of them for every token of the request, so each one costs
+    every stream on the server (SmolLM2, 49k tokens: 0.3-1 ms each; the
+    default, 32, is about 20 ms per token at the widest point).
+
     Example::
 
         ToolLimits(max_tools=s.max_tools, max_schema_bytes=s.max_schema_bytes,
-                   max_grammar_repeat=s.max_grammar_repeat, max_output_chars=n_ctx * piece)
+                   max_grammar_repeat=s.max_grammar_repeat,
+                   max_grammar_alternatives=s.max_grammar_alternatives,
+                   max_output_chars=n_ctx * piece)
     """
 
     max_tools: int = 128
     max_schema_bytes: int = 131072
     max_grammar_repeat: int = DEFAULT_MAX_REPEAT
+    max_grammar_alternatives: int = DEFAULT_MAX_ALTERNATIVES
     max_output_chars: int | None = None
 
 
@@ -218,6 +232,7 @@ def _call_grammar(
         max_calls=_max_calls(parallel, len(specs)),
         max_repeat=limits.max_grammar_repeat,
         max_output_chars=limits.max_output_chars,
+        max_alternatives=limits.max_grammar_alternatives,
     )
 
 
@@ -376,6 +391,7 @@ def _response_format_grammar(schema: dict[str, Any] | None, limits: ToolLimits) 
         param=_RESPONSE_SCHEMA,
         max_repeat=limits.max_grammar_repeat,
         max_output_chars=limits.max_output_chars,
+        max_alternatives=limits.max_grammar_alternatives,
     )
 
 
