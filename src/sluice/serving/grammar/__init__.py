@@ -37,18 +37,20 @@ Example::
                             max_alternatives=32)
 """
 
-from sluice.serving.grammar.converter import (
+from sluice.serving.grammar.build import (
+    json_object_grammar,
+    json_schema_grammar,
+    tool_call_grammar,
+)
+from sluice.serving.grammar.integers import integer_range_rule
+from sluice.serving.grammar.pattern import gbnf_literal
+from sluice.serving.grammar.spec import (
     ALTERNATIVES_SETTING,
     DEFAULT_MAX_ALTERNATIVES,
     DEFAULT_MAX_REPEAT,
     REPEAT_SETTING,
     CallFraming,
     ToolSpec,
-    gbnf_literal,
-    integer_range_rule,
-    json_object_grammar,
-    json_schema_grammar,
-    tool_call_grammar,
 )
 
 __all__ = [
