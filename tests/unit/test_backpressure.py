@@ -30,6 +30,7 @@ from .helpers import (
     chat_text,
     chunks,
     finishes,
+    health,
     parse_sse,
     post_stream,
     prompt_for,
@@ -190,6 +191,7 @@ def test_slow_reader_is_paused_others_are_served_then_it_gets_everything() -> No
         paused_at = stable(lambda: slow.pos)
         assert 0 < paused_at < n // 2, paused_at
         assert engine.stats.paused == 1 and engine.stats.active == 1
+        assert health(base)["slots"]["paused"] == 1
         # Nothing spins while it waits: this process (the server included) stays idle.
         cpu = time.process_time()
         time.sleep(0.5)

@@ -170,7 +170,7 @@ class Engine:
         self._counters = {"steps": 0, "generated": 0, "prompt": 0, "cached": 0}
         self._buffer = max(1, config.stream_buffer)
         self._resume_at = self._buffer // 2
-        self._paused = 0
+        self._paused = 0  # works in slots with paused set
         self.stats = self._snapshot()
 
     # -- public API, any thread ---------------------------------------------
@@ -371,24 +371,20 @@ class Engine:
     def _step(self) -> bool:
         """One decode over the planned sequences; False if there was nothing to run."""
         views: list[SlotView] = []
-        paused = 0
         for s in self._slots:
             work = s.work
             if work is None:
                 views.append(SlotView(s.seq, s.state))
                 continue
-            held = self._held(work)
-            paused += held
             views.append(
                 SlotView(
                     s.seq,
                     s.state,
                     len(work.req.prompt_tokens) - work.prompt_done,
                     work.admitted_order,
-                    held,
+                    self._held(work),
                 )
             )
-        self._paused = paused
         # Entries in sequence-id order: llama.cpp puts only increasing, consecutive
         # ids into one ubatch (see _compact).
         plan = sorted(
@@ -426,10 +422,12 @@ class Engine:
             if backlog > self._resume_at:
                 return True
             work.paused = False
+            self._paused -= 1
             return False
         if backlog <= self._buffer:
             return False
         work.paused = True
+        self._paused += 1
         work.sink.pause(self._resume_at, self._wake)
         return True
 
@@ -556,6 +554,9 @@ class Engine:
         slot.work = None
         slot.state = SlotState.IDLE
         if work is not None:
+            if work.paused:  # (kept exact: a snapshot may come before the next step)
+                work.paused = False
+                self._paused -= 1
             self._retire(work)
 
     def _retire(self, work: _Work) -> None:
