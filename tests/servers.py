@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -12,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import uvicorn
@@ -118,3 +120,27 @@ def health_gaps_during(base: str, send: Any, settle: float = 0.2) -> tuple[Any, 
         stop.set()
         poller.join(30)
     return result, gaps
+
+
+def slow_socket(base: str, path: str, body: dict[str, Any], timeout: float = 10) -> socket.socket:
+    """POST on a socket that takes little, and ``Connection: close`` (the response
+    ends with EOF); the response is left unread.
+
+    A small receive buffer keeps the window small; a small MSS keeps the server's
+    send buffer small too (Linux sizes it from the MSS, 64 KB on loopback, which
+    would let ~3 MB queue in the kernel before the server's writes block).
+    """
+    url = urlsplit(base)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
+    sock.settimeout(timeout)
+    sock.connect((url.hostname, url.port))
+    payload = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {url.netloc}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\nAccept: text/event-stream\r\n"
+        "Connection: close\r\n\r\n"
+    ).encode()
+    sock.sendall(head + payload)
+    return sock

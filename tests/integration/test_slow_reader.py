@@ -3,14 +3,10 @@ server's memory stays flat, then generation resumes when the client reads again.
 
 from __future__ import annotations
 
-import json
-import socket
 import time
-from typing import Any
-from urllib.parse import urlsplit
 
 import pytest
-from servers import serve_process_handle
+from servers import serve_process_handle, slow_socket
 
 from .helpers import QUIET, data_chunks, health, parse_sse, wait_idle
 
@@ -38,25 +34,6 @@ def rss_kb(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-def slow_socket(base: str, path: str, body: dict[str, Any]) -> socket.socket:
-    """POST on a socket that takes little (small receive buffer; small MSS, which keeps
-    the server's kernel send buffer small too) with ``Connection: close``; unread."""
-    url = urlsplit(base)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
-    sock.settimeout(60)
-    sock.connect((url.hostname, url.port))
-    payload = json.dumps(body).encode()
-    head = (
-        f"POST {path} HTTP/1.1\r\nHost: {url.netloc}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(payload)}\r\nAccept: text/event-stream\r\n"
-        "Connection: close\r\n\r\n"
-    ).encode()
-    sock.sendall(head + payload)
-    return sock
-
-
 def dechunk(raw: bytes) -> bytes:
     """A complete HTTP/1.1 chunked 200 response -> its body."""
     head, _, rest = raw.partition(b"\r\n\r\n")
@@ -79,7 +56,7 @@ def test_slow_reader_pauses_generation_with_flat_memory() -> None:
     with serve_process_handle(
         "--parallel", "2", "--ctx", "1024", "--stream-buffer", "16", *QUIET
     ) as (base, proc):
-        sock = slow_socket(base, "/v1/chat/completions", BODY)
+        sock = slow_socket(base, "/v1/chat/completions", BODY, timeout=60)
         # Generation runs until the buffers on the way are full, then stops.
         deadline = time.monotonic() + 60
         last, since = generated(base), time.monotonic()

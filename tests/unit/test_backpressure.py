@@ -5,18 +5,16 @@ aborted when it does not read for ``stall_timeout``. Through real HTTP and socke
 from __future__ import annotations
 
 import contextlib
-import json
 import socket
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
 import pytest
 from fakes import EOS, FakeSampler, ScriptedRunner
-from servers import serve_app
+from servers import serve_app, slow_socket
 
 from sluice.api.app import create_app
 from sluice.config import Settings
@@ -84,30 +82,6 @@ def sampler_for(runner: ScriptedRunner, prompt: str) -> FakeSampler:
     return wait_until(
         lambda: next((s for s in reversed(runner.samplers) if s.prompt == tokens), None)
     )
-
-
-def slow_socket(base: str, path: str, body: dict[str, Any]) -> socket.socket:
-    """POST on a socket that takes little, and ``Connection: close`` (the response
-    ends with EOF); the response is left unread.
-
-    A small receive buffer keeps the window small; a small MSS keeps the server's
-    send buffer small too (Linux sizes it from the MSS, 64 KB on loopback, which
-    would let ~3 MB queue in the kernel before the server's writes block).
-    """
-    url = urlsplit(base)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
-    sock.settimeout(10)
-    sock.connect((url.hostname, url.port))
-    payload = json.dumps(body).encode()
-    head = (
-        f"POST {path} HTTP/1.1\r\nHost: {url.netloc}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(payload)}\r\nAccept: text/event-stream\r\n"
-        "Connection: close\r\n\r\n"
-    ).encode()
-    sock.sendall(head + payload)
-    return sock
 
 
 def read_to_eof(sock: socket.socket, timeout: float = 20) -> tuple[bytes, bool]:

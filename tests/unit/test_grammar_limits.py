@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 
 from sluice.errors import InvalidRequest
-from sluice.protocol.openai import ChatCompletionRequest
 from sluice.serving.grammar import (
     DEFAULT_MAX_REPEAT,
     CallFraming,
@@ -27,32 +26,13 @@ from sluice.serving.grammar import (
     json_schema_grammar,
     tool_call_grammar,
 )
-from sluice.serving.tools import OutputPlan, ToolLimits
+from sluice.serving.tools import ToolLimits
 
+from . import plans
 from .gbnf_regex import explicit_repeats, grammar_regex
 
 BIG = 10**9
 OUT = 10**6  # a max_output_chars: anything above it can never be written
-
-
-def _body(**extra: Any) -> ChatCompletionRequest:
-    return ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **extra)
-
-
-def _tool(name: str, parameters: Any = None) -> dict[str, Any]:
-    fn: dict[str, Any] = {"name": name}
-    if parameters is not None:
-        fn["parameters"] = parameters
-    return {"type": "function", "function": fn}
-
-
-def _plan(limits: ToolLimits | None = None, **extra: Any) -> OutputPlan:
-    limits = limits or ToolLimits()
-    return OutputPlan.build(_body(**extra), fmt="hermes", reasoning=None, limits=limits)
-
-
-def _field(schema: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "object", "properties": {"x": schema}, "required": ["x"]}
 
 
 # -- 10**9 repetitions: small grammar or 400, quickly -----------------------------------
@@ -86,7 +66,7 @@ def _request(where: str, schema: dict[str, Any]) -> dict[str, Any]:
     if where == "response_format":
         fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
         return {"response_format": fmt}
-    tools = [_tool("first", {"type": "object"}), _tool("second", schema)]
+    tools = [plans.tool("first", {"type": "object"}), plans.tool("second", schema)]
     return {"tools": tools, "tool_choice": "required" if where == "required-tool" else "auto"}
 
 
@@ -126,7 +106,7 @@ def hostile_results() -> dict[str, dict[str, Any]]:
     cases = [
         {
             "id": case_id,
-            "request": _request(where, _field(HOSTILE[name][0])),
+            "request": _request(where, plans.field(HOSTILE[name][0])),
             "max_output_chars": OUT if out else None,
         }
         for case_id, name, where, out in CASES
@@ -166,12 +146,12 @@ def test_huge_repetitions_are_small_grammars_or_400s(
 
 
 def test_unreachable_maximum_is_the_same_language_unbounded() -> None:
-    schema = _field({"type": "string", "maxLength": BIG})
+    schema = plans.field({"type": "string", "maxLength": BIG})
     rx = grammar_regex(json_schema_grammar(schema, max_output_chars=OUT))
     assert rx.fullmatch(json.dumps({"x": "a" * 5000}))
     assert rx.fullmatch(json.dumps({"x": ""}))
     # At the output bound itself the maximum is kept (it can be reached).
-    g = json_schema_grammar(_field({"type": "string", "maxLength": 40}), max_output_chars=40)
+    g = json_schema_grammar(plans.field({"type": "string", "maxLength": 40}), max_output_chars=40)
     rx = grammar_regex(g)
     assert rx.fullmatch(json.dumps({"x": "a" * 40})) and not rx.fullmatch(
         json.dumps({"x": "a" * 41})
@@ -185,13 +165,13 @@ def test_budget_is_the_sum_of_expanded_repetitions() -> None:
     def g(schema: dict[str, Any], budget: int) -> None:
         json_schema_grammar(schema, max_repeat=budget)
 
-    g(_field({"type": "string", "maxLength": 100}), 100)
+    g(plans.field({"type": "string", "maxLength": 100}), 100)
     with pytest.raises(InvalidRequest) as info:
-        g(_field({"type": "string", "maxLength": 101}), 100)
+        g(plans.field({"type": "string", "maxLength": 101}), 100)
     assert info.value.param == "response_format"
     assert "maxLength 101" in info.value.message and "the limit is 100" in info.value.message
     # minLength and maxLength: min copies plus the optional ones.
-    g(_field({"type": "string", "minLength": 30, "maxLength": 100}), 100)
+    g(plans.field({"type": "string", "minLength": 30, "maxLength": 100}), 100)
 
     def pair(lo: int, hi: int) -> dict[str, Any]:
         a, b = {"type": "string", "minLength": lo}, {"type": "string", "maxLength": hi}
@@ -222,7 +202,7 @@ def test_budget_is_the_sum_of_expanded_repetitions() -> None:
 def test_budget_is_per_grammar_across_tools() -> None:
     def tool(i: int) -> ToolSpec:
         items = {"type": "array", "items": {"type": "integer", "minimum": i}, "maxItems": 41}
-        return ToolSpec(f"t{i}", _field(items), param=f"tools[{i}].function.parameters")
+        return ToolSpec(f"t{i}", plans.field(items), param=f"tools[{i}].function.parameters")
 
     framing = CallFraming(call_open="<tool_call>\n", call_close="\n</tool_call>")
     tool_call_grammar([tool(0), tool(1)], framing, max_calls=2, max_repeat=80)
@@ -232,15 +212,15 @@ def test_budget_is_per_grammar_across_tools() -> None:
 
 
 def test_limits_from_tool_limits() -> None:
-    schema = _field({"type": "string", "maxLength": 300})
+    schema = plans.field({"type": "string", "maxLength": 300})
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
-    assert _plan(ToolLimits(max_grammar_repeat=300), response_format=fmt).grammar
+    assert plans.plan(ToolLimits(max_grammar_repeat=300), response_format=fmt).grammar
     with pytest.raises(InvalidRequest) as info:
-        _plan(ToolLimits(max_grammar_repeat=299), response_format=fmt)
+        plans.plan(ToolLimits(max_grammar_repeat=299), response_format=fmt)
     assert info.value.param == "response_format.json_schema.schema"
     # Output can never be longer than 200 characters: the 300 costs nothing.
     limits = ToolLimits(max_grammar_repeat=10, max_output_chars=200)
-    assert _plan(limits, response_format=fmt).grammar
+    assert plans.plan(limits, response_format=fmt).grammar
 
 
 # -- exactly the bounded strings, arrays and patterns ------------------------------------
@@ -253,7 +233,7 @@ def test_string_lengths_are_exact(lo: int, hi: int | None) -> None:
     schema: dict[str, Any] = {"type": "string", "minLength": lo}
     if hi is not None:
         schema["maxLength"] = hi
-    rx = grammar_regex(json_schema_grammar(_field(schema)))
+    rx = grammar_regex(json_schema_grammar(plans.field(schema)))
     for n in range(9):
         for text in ("a" * n, '"' * n, "\n\\" * (n // 2) + "é" * (n % 2)):
             ok = lo <= n and (hi is None or n <= hi)
@@ -267,7 +247,7 @@ def test_array_lengths_are_exact(lo: int, hi: int | None) -> None:
     schema: dict[str, Any] = {"type": "array", "items": {"type": "integer"}, "minItems": lo}
     if hi is not None:
         schema["maxItems"] = hi
-    rx = grammar_regex(json_schema_grammar(_field(schema)))
+    rx = grammar_regex(json_schema_grammar(plans.field(schema)))
     for n in range(8):
         ok = lo <= n and (hi is None or n <= hi)
         assert bool(rx.fullmatch(json.dumps({"x": list(range(n))}))) == ok, (lo, hi, n)
@@ -299,7 +279,7 @@ ALPHABET = ["a", "b", "c", "x", "y", "1", "-", ".", "@", " ", '"', "\\", "\n", "
 
 @pytest.mark.parametrize("pattern", PATTERNS)
 def test_patterns_match_what_the_regex_matches(pattern: str) -> None:
-    rx = grammar_regex(json_schema_grammar(_field({"type": "string", "pattern": pattern})))
+    rx = grammar_regex(json_schema_grammar(plans.field({"type": "string", "pattern": pattern})))
     py = re.compile(pattern[1:-1], re.ASCII)
     rng = random.Random(pattern)
     samples = {"", "ab", "abab", "123-4567", "AB", "ABa", "a.b", "ab@c", '\\"', "\\", "c", "ac"}
@@ -343,8 +323,8 @@ def test_patterns_match_what_the_regex_matches(pattern: str) -> None:
 def test_unsupported_patterns_are_400s_naming_the_field(pattern: str) -> None:
     t = time.perf_counter()
     with pytest.raises(InvalidRequest) as info:
-        _plan(
-            tools=[_tool("f", _field({"type": "string", "pattern": pattern}))],
+        plans.plan(
+            tools=[plans.tool("f", plans.field({"type": "string", "pattern": pattern}))],
             tool_choice="required",
         )
     assert info.value.param == "tools[0].function.parameters"
@@ -416,11 +396,13 @@ def test_recursive_ref_names_are_rule_names() -> None:
 )
 def test_bad_schemas_are_400s_naming_the_field(schema: dict[str, Any]) -> None:
     with pytest.raises(InvalidRequest) as info:
-        _plan(tools=[_tool("f"), _tool("g", _field(schema))], tool_choice="required")
+        plans.plan(
+            tools=[plans.tool("f"), plans.tool("g", plans.field(schema))], tool_choice="required"
+        )
     assert info.value.param == "tools[1].function.parameters"
-    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": _field(schema)}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": plans.field(schema)}}
     with pytest.raises(InvalidRequest) as info:
-        _plan(response_format=fmt)
+        plans.plan(response_format=fmt)
     assert info.value.param == "response_format.json_schema.schema"
 
 
@@ -441,48 +423,50 @@ def test_bad_schemas_are_400s_naming_the_field(schema: dict[str, Any]) -> None:
 )
 def test_tool_choice_shapes_are_400s(choice: Any, param: str) -> None:
     with pytest.raises(InvalidRequest) as info:
-        _plan(tools=[_tool("f")], tool_choice=choice)
+        plans.plan(tools=[plans.tool("f")], tool_choice=choice)
     assert info.value.param == param
 
 
 def test_named_tool_choice_without_tools_is_a_400() -> None:
     with pytest.raises(InvalidRequest) as info:
-        _plan(tool_choice={"type": "function", "function": {"name": "f"}})
+        plans.plan(tool_choice={"type": "function", "function": {"name": "f"}})
     assert info.value.param == "tool_choice"
     # The shape OpenAI documents, and the one without "type", still work.
-    plan = _plan(tools=[_tool("f")], tool_choice={"type": "function", "function": {"name": "f"}})
+    plan = plans.plan(
+        tools=[plans.tool("f")], tool_choice={"type": "function", "function": {"name": "f"}}
+    )
     assert plan.tool_choice == "function:f" and plan.grammar
-    assert _plan(tools=[_tool("f")], tool_choice={"function": {"name": "f"}}).grammar
+    assert plans.plan(tools=[plans.tool("f")], tool_choice={"function": {"name": "f"}}).grammar
 
 
 # -- request limits ------------------------------------------------------------------------
 
 
 def test_too_many_tools() -> None:
-    tools = [_tool(f"t{i}") for i in range(3)]
-    assert _plan(ToolLimits(max_tools=3), tools=tools).tools
+    tools = [plans.tool(f"t{i}") for i in range(3)]
+    assert plans.plan(ToolLimits(max_tools=3), tools=tools).tools
     with pytest.raises(InvalidRequest) as info:
-        _plan(ToolLimits(max_tools=2), tools=tools)
+        plans.plan(ToolLimits(max_tools=2), tools=tools)
     assert info.value.param == "tools"
     assert "3 tools" in info.value.message and "the limit is 2 (--max-tools)" in info.value.message
 
 
 def test_schema_bytes_name_the_field_that_passes_the_limit() -> None:
-    big = _field({"type": "string", "description": "d" * 1000})
+    big = plans.field({"type": "string", "description": "d" * 1000})
     size = len(json.dumps(big))
-    tools = [_tool("a", big), _tool("b", big)]
-    assert _plan(ToolLimits(max_schema_bytes=2 * size), tools=tools).tools
+    tools = [plans.tool("a", big), plans.tool("b", big)]
+    assert plans.plan(ToolLimits(max_schema_bytes=2 * size), tools=tools).tools
     with pytest.raises(InvalidRequest) as info:
-        _plan(ToolLimits(max_schema_bytes=2 * size - 1), tools=tools)
+        plans.plan(ToolLimits(max_schema_bytes=2 * size - 1), tools=tools)
     assert info.value.param == "tools[1].function.parameters"
     assert f"the limit is {2 * size - 1} (--max-schema-bytes)" in info.value.message
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": big}}
     with pytest.raises(InvalidRequest) as info:
-        _plan(ToolLimits(max_schema_bytes=2 * size), tools=tools, response_format=fmt)
+        plans.plan(ToolLimits(max_schema_bytes=2 * size), tools=tools, response_format=fmt)
     assert info.value.param == "response_format.json_schema.schema"
     # Checked before any grammar is built (tool_choice none builds none).
     with pytest.raises(InvalidRequest):
-        _plan(ToolLimits(max_schema_bytes=10), tools=tools, tool_choice="none")
+        plans.plan(ToolLimits(max_schema_bytes=10), tools=tools, tool_choice="none")
 
 
 # -- objects with many optional properties ------------------------------------------------

@@ -31,7 +31,6 @@ from sluice.config import Settings
 from sluice.engine.llama_runner import LlamaRunner, LlamaRunnerConfig
 from sluice.engine.types import SamplingParams
 from sluice.errors import InvalidRequest
-from sluice.protocol.openai import ChatCompletionRequest
 from sluice.serving.grammar import (
     ALTERNATIVES_SETTING,
     DEFAULT_MAX_ALTERNATIVES,
@@ -42,6 +41,7 @@ from sluice.serving.grammar import (
 )
 from sluice.serving.tools import OutputPlan, ToolLimits
 
+from . import plans
 from .gbnf_regex import grammar_regex
 from .helpers import CHAT, scripted_server
 
@@ -49,26 +49,6 @@ LIMIT = DEFAULT_MAX_ALTERNATIVES
 RESPONSE = "response_format.json_schema.schema"
 HERMES = CallFraming(call_open="<tool_call>\n", call_close="\n</tool_call>", sep="\n")
 ALNUM = string.ascii_letters + string.digits  # 62 distinct first characters
-
-
-def _body(**extra: Any) -> ChatCompletionRequest:
-    return ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **extra)
-
-
-def _tool(name: str, parameters: Any = None) -> dict[str, Any]:
-    fn: dict[str, Any] = {"name": name}
-    if parameters is not None:
-        fn["parameters"] = parameters
-    return {"type": "function", "function": fn}
-
-
-def _plan(limits: ToolLimits | None = None, **extra: Any) -> OutputPlan:
-    limits = limits or ToolLimits()
-    return OutputPlan.build(_body(**extra), fmt="hermes", reasoning=None, limits=limits)
-
-
-def _field(schema: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "object", "properties": {"x": schema}, "required": ["x"]}
 
 
 def _response_format(schema: dict[str, Any]) -> dict[str, Any]:
@@ -85,7 +65,7 @@ WHERE = {
 def _request(where: str, schema: dict[str, Any]) -> dict[str, Any]:
     if where == "response_format":
         return {"response_format": _response_format(schema)}
-    tools = [_tool("first", {"type": "object"}), _tool("second", schema)]
+    tools = [plans.tool("first", {"type": "object"}), plans.tool("second", schema)]
     return {"tools": tools, "tool_choice": "required" if where == "required-tool" else "auto"}
 
 
@@ -106,7 +86,7 @@ def _alternatives(n: int) -> str:
 # token in llama.cpp (SmolLM2, one thread) of the schema before the bound.
 WIDE: dict[str, dict[str, Any]] = {
     # 5,000 values starting with 70 distinct characters (~1 s per token as a flat list)
-    "enum of 5,000 values": _field(
+    "enum of 5,000 values": plans.field(
         {
             "enum": sorted(
                 {
@@ -117,28 +97,28 @@ WIDE: dict[str, dict[str, Any]] = {
         }
     ),
     # One value per first character, each going on differently: 62 stacks at the start.
-    "enum of 62 values": _field({"enum": [c * (1 + i % 5) for i, c in enumerate(ALNUM)]}),
+    "enum of 62 values": plans.field({"enum": [c * (1 + i % 5) for i, c in enumerate(ALNUM)]}),
     # 64 objects: ~100 ms per token, 1,000: ~290 ms
-    "anyOf of 40 objects": _field({"anyOf": [_kind(i) for i in range(40)]}),
-    "oneOf of 40 objects": _field({"oneOf": [_kind(i) for i in range(40)]}),
+    "anyOf of 40 objects": plans.field({"anyOf": [_kind(i) for i in range(40)]}),
+    "oneOf of 40 objects": plans.field({"oneOf": [_kind(i) for i in range(40)]}),
     # 128 optional properties: ~50-70 ms per token
     "40 optional properties": {
         "type": "object",
         "properties": {f"p{i}": {"type": "integer"} for i in range(40)},
     },
-    "pattern of 40 alternatives": _field({"type": "string", "pattern": _alternatives(40)}),
+    "pattern of 40 alternatives": plans.field({"type": "string", "pattern": _alternatives(40)}),
     # (ab)? 64 times: ~50 ms per token from a 400-byte pattern
-    "pattern of 40 optional groups": _field(
+    "pattern of 40 optional groups": plans.field(
         {"type": "string", "pattern": "^" + "(ab)?" * 40 + "a$"}
     ),
-    "ambiguous repetition": _field({"type": "string", "pattern": "^(a|aa){0,40}$"}),
-    "array of anyOf of 40 enums": _field(
+    "ambiguous repetition": plans.field({"type": "string", "pattern": "^(a|aa){0,40}$"}),
+    "array of anyOf of 40 enums": plans.field(
         {
             "type": "array",
             "items": {"anyOf": [{"enum": [f"{c}{i}" for i in range(5)]} for c in ALNUM[:40]]},
         }
     ),
-    "anyOf of 8 objects of 8 optional properties": _field(
+    "anyOf of 8 objects of 8 optional properties": plans.field(
         {
             "type": "array",
             "items": {
@@ -181,7 +161,7 @@ WIDE: dict[str, dict[str, Any]] = {
 def test_wide_schemas_are_400s_naming_the_field_and_the_flag(name: str, where: str) -> None:
     t = time.perf_counter()
     with pytest.raises(InvalidRequest) as info:
-        _plan(**_request(where, WIDE[name]))
+        plans.plan(**_request(where, WIDE[name]))
     assert time.perf_counter() - t < 2.0
     assert info.value.param == WHERE[where]
     message = info.value.message
@@ -198,25 +178,25 @@ def test_the_message_names_the_property() -> None:
         },
     }
     with pytest.raises(InvalidRequest) as info:
-        _plan(response_format=_response_format(schema))
+        plans.plan(response_format=_response_format(schema))
     assert "at 'color'" in info.value.message
 
 
 def test_many_tools_are_one_name_trie_until_the_names_fan_out() -> None:
     small = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
-    tools = [_tool(f"tool_{i}", small) for i in range(128)]  # the default --max-tools
-    assert _plan(tools=tools, tool_choice="required").grammar
-    assert _plan(tools=tools, tool_choice="auto").grammar
+    tools = [plans.tool(f"tool_{i}", small) for i in range(128)]  # the default --max-tools
+    assert plans.plan(tools=tools, tool_choice="required").grammar
+    assert plans.plan(tools=tools, tool_choice="auto").grammar
     # Names starting with 40 different characters: 40 stacks where the name begins.
-    fanned = [_tool(f"{c}_tool", small) for c in ALNUM[:40]]
+    fanned = [plans.tool(f"{c}_tool", small) for c in ALNUM[:40]]
     for choice in ("required", "auto"):
         with pytest.raises(InvalidRequest) as info:
-            _plan(tools=fanned, tool_choice=choice)
+            plans.plan(tools=fanned, tool_choice=choice)
         assert info.value.param == "tools"
         assert f"the limit is {LIMIT} ({ALTERNATIVES_SETTING})" in info.value.message
     # A named tool_choice offers one of them: no fan-out.
     named = {"type": "function", "function": {"name": "a_tool"}}
-    assert _plan(tools=fanned, tool_choice=named).grammar
+    assert plans.plan(tools=fanned, tool_choice=named).grammar
 
 
 @pytest.mark.parametrize("limit", [4, 32, 100])
@@ -224,8 +204,8 @@ def test_the_limit_is_exact_on_a_flat_alternation(limit: int) -> None:
     # n one-character alternatives open n stacks where the string starts, and no more.
     def plan(n: int) -> OutputPlan:
         pattern = "^(" + "|".join(chr(0x100 + i) for i in range(n)) + ")$"
-        schema = _field({"type": "string", "pattern": pattern})
-        return _plan(
+        schema = plans.field({"type": "string", "pattern": pattern})
+        return plans.plan(
             ToolLimits(max_grammar_alternatives=limit), response_format=_response_format(schema)
         )
 
@@ -243,11 +223,11 @@ WORDS = sorted(
     }
 )
 REALISTIC: dict[str, Any] = {
-    "enum of 300 words": _field({"enum": WORDS[:300]}),
-    "enum of 5,000 words": _field({"enum": WORDS[:5000]}),
-    "enum of 5,000 numbered values": _field({"enum": [f"value{i}" for i in range(5000)]}),
-    "enum of 1,000 integers": _field({"enum": list(range(1000))}),
-    "ISO country codes": _field(
+    "enum of 300 words": plans.field({"enum": WORDS[:300]}),
+    "enum of 5,000 words": plans.field({"enum": WORDS[:5000]}),
+    "enum of 5,000 numbered values": plans.field({"enum": [f"value{i}" for i in range(5000)]}),
+    "enum of 1,000 integers": plans.field({"enum": list(range(1000))}),
+    "ISO country codes": plans.field(
         {"enum": [a + b for a in string.ascii_uppercase for b in string.ascii_uppercase][:250]}
     ),
     "25 optional properties": {
@@ -260,11 +240,11 @@ REALISTIC: dict[str, Any] = {
         "properties": {f"p{i}": {"type": "string", "maxLength": 40} for i in range(35)},
         "required": [f"p{i}" for i in range(10)],
     },
-    "discriminated union of 8 objects": _field({"anyOf": [_kind(i) for i in range(8)]}),
-    "anyOf of types": _field(
+    "discriminated union of 8 objects": plans.field({"anyOf": [_kind(i) for i in range(8)]}),
+    "anyOf of types": plans.field(
         {"anyOf": [{"type": "string"}, {"type": "integer"}, {"type": "null"}]}
     ),
-    "int32 range": _field({"type": "integer", "minimum": -(2**31), "maximum": 2**31 - 1}),
+    "int32 range": plans.field({"type": "integer", "minimum": -(2**31), "maximum": 2**31 - 1}),
     "date-time, uuid, email-like pattern": {
         "type": "object",
         "properties": {
@@ -311,7 +291,7 @@ REALISTIC: dict[str, Any] = {
 @pytest.mark.parametrize("where", WHERE)
 @pytest.mark.parametrize("name", REALISTIC)
 def test_realistic_schemas_stay_accepted(name: str, where: str) -> None:
-    assert _plan(**_request(where, REALISTIC[name])).grammar
+    assert plans.plan(**_request(where, REALISTIC[name])).grammar
 
 
 def test_forty_tools_of_ten_properties_stay_accepted() -> None:
@@ -322,13 +302,13 @@ def test_forty_tools_of_ten_properties_stay_accepted() -> None:
         return {"type": "object", "properties": props, "required": ["arg0"]}
 
     tools = [
-        _tool(f"{verb}_{noun}", params(i))
+        plans.tool(f"{verb}_{noun}", params(i))
         for i, (verb, noun) in enumerate(
             (v, n) for v in ("get", "set", "list", "delete") for n in "abcdefghij"
         )
     ]
     for choice in ("required", "auto"):
-        assert _plan(tools=tools, tool_choice=choice).grammar
+        assert plans.plan(tools=tools, tool_choice=choice).grammar
 
 
 # -- the tries accept exactly what the flat alternatives did -------------------------------
@@ -339,7 +319,7 @@ def test_enum_trie_accepts_exactly_the_values() -> None:
     values: list[Any] = [None, True, False, 0, 1, 10, 100, -1, 1.5, "", "a", "ab", "abc", "b"]
     values += ['q"uote', "back\\slash", "tab\there", "é", "😀", "\u2028", [1, 2], {"a": 1}]
     values += ["".join(rng.choice('ab"\\é') for _ in range(rng.randint(0, 4))) for _ in range(40)]
-    rx = grammar_regex(json_schema_grammar(_field({"enum": values})))
+    rx = grammar_regex(json_schema_grammar(plans.field({"enum": values})))
     for v in values:
         assert rx.fullmatch(json.dumps({"x": v})), v
     texts = {json.dumps(v) for v in values}
@@ -397,7 +377,7 @@ def narrow_server() -> Iterator[str]:
 @pytest.mark.parametrize("stream", [False, True])
 def test_http_400_uses_the_servers_limit(narrow_server: str, stream: bool) -> None:
     # Five alternatives: within the default limit, past this server's 4.
-    schema = _field({"type": "string", "pattern": _alternatives(5)})
+    schema = plans.field({"type": "string", "pattern": _alternatives(5)})
     body = {
         "messages": [{"role": "user", "content": "x"}],
         "response_format": _response_format(schema),
@@ -408,7 +388,7 @@ def test_http_400_uses_the_servers_limit(narrow_server: str, stream: bool) -> No
     err = r.json()["error"]
     assert err["param"] == RESPONSE
     assert f"the limit is 4 ({ALTERNATIVES_SETTING})" in err["message"]
-    assert _plan(response_format=_response_format(schema)).grammar  # the default accepts it
+    assert plans.plan(response_format=_response_format(schema)).grammar  # the default accepts it
 
 
 # -- the widest accepted grammars, sampled by the real llama.cpp ----------------------------
@@ -464,7 +444,7 @@ def sampling() -> Iterator[Sampling]:
 # any grammar: ~3.5 ms to decode the vocabulary's pieces).
 WIDEST: dict[str, tuple[dict[str, Any], list[str]]] = {
     "discriminated union of 10 objects": (
-        _field({"anyOf": [_kind(i) for i in range(10)]}),
+        plans.field({"anyOf": [_kind(i) for i in range(10)]}),
         ['{"x": ', '{"x": {', '{"x": {"kind": "k'],
     ),
     "29 optional properties": (
@@ -472,12 +452,12 @@ WIDEST: dict[str, tuple[dict[str, Any], list[str]]] = {
         ["{", '{"p0": 1,', '{"p0": 1, "p'],
     ),
     "pattern of 32 alternatives": (
-        _field({"type": "string", "pattern": _alternatives(32)}),
+        plans.field({"type": "string", "pattern": _alternatives(32)}),
         ['{"x": "'],
     ),
-    "enum of 5,000 words": (_field({"enum": WORDS[:5000]}), ['{"x": ', '{"x": "', '{"x": "b']),
+    "enum of 5,000 words": (plans.field({"enum": WORDS[:5000]}), ['{"x": ', '{"x": "', '{"x": "b']),
     "array of anyOf of 29 enums": (
-        _field(
+        plans.field(
             {
                 "type": "array",
                 "items": {"anyOf": [{"enum": [f"{c}{i}" for i in range(30)]} for c in ALNUM[:29]]},
@@ -486,7 +466,7 @@ WIDEST: dict[str, tuple[dict[str, Any], list[str]]] = {
         ['{"x": [', '{"x": ["', '{"x": ["a1", '],
     ),
     "pattern of 15 optional groups": (
-        _field({"type": "string", "pattern": "^" + "(ab)?" * 15 + "a$"}),
+        plans.field({"type": "string", "pattern": "^" + "(ab)?" * 15 + "a$"}),
         ['{"x": "a', '{"x": "aba'],
     ),
 }
@@ -495,7 +475,7 @@ WIDEST: dict[str, tuple[dict[str, Any], list[str]]] = {
 @pytest.mark.parametrize("name", WIDEST)
 def test_widest_accepted_grammars_sample_quickly(sampling: Sampling, name: str) -> None:
     schema, prefixes = WIDEST[name]
-    grammar = _plan(response_format=_response_format(schema)).grammar
+    grammar = plans.plan(response_format=_response_format(schema)).grammar
     assert grammar is not None
     worst = max(sampling.seconds(grammar, prefix) for prefix in prefixes)
     assert worst < 0.1, f"{name}: {worst * 1e3:.1f} ms per token"
@@ -503,7 +483,9 @@ def test_widest_accepted_grammars_sample_quickly(sampling: Sampling, name: str) 
 
 def test_many_tools_sample_quickly(sampling: Sampling) -> None:
     small = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
-    plan = _plan(tools=[_tool(f"tool_{i}", small) for i in range(128)], tool_choice="required")
+    plan = plans.plan(
+        tools=[plans.tool(f"tool_{i}", small) for i in range(128)], tool_choice="required"
+    )
     assert plan.grammar is not None
     for prefix in ["", "<tool_call>\n", '<tool_call>\n{"name": "tool_']:
         assert sampling.seconds(plan.grammar, prefix) < 0.05
