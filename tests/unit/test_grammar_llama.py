@@ -16,8 +16,7 @@ from typing import Any
 
 import pytest
 
-from sluice.catalog import resolve_model
-from sluice.engine.llama_runner import LlamaRunner, LlamaRunnerConfig
+from sluice.engine.llama_runner import LlamaRunner
 from sluice.engine.types import SamplingParams
 from sluice.serving.grammar import (
     DEFAULT_MAX_REPEAT,
@@ -26,6 +25,8 @@ from sluice.serving.grammar import (
     json_schema_grammar,
     tool_call_grammar,
 )
+
+from .models import real_runner
 
 
 class Judge:
@@ -75,11 +76,8 @@ class Judge:
 
 @pytest.fixture(scope="module")
 def judge() -> Iterator[Judge]:
-    model = resolve_model("smollm2")
-    config = LlamaRunnerConfig(model_path=str(model.path), n_parallel=1, n_ctx=512, n_threads=1)
-    runner = LlamaRunner.load(config)
-    yield Judge(runner)
-    runner.close()
+    with real_runner() as runner:
+        yield Judge(runner)
 
 
 def _field(schema: dict[str, Any]) -> dict[str, Any]:

@@ -26,9 +26,8 @@ import pytest
 from fakes import CHATML, ScriptedRunner
 
 from sluice import cli
-from sluice.catalog import resolve_model
 from sluice.config import Settings
-from sluice.engine.llama_runner import LlamaRunner, LlamaRunnerConfig
+from sluice.engine.llama_runner import LlamaRunner
 from sluice.engine.types import SamplingParams
 from sluice.errors import InvalidRequest
 from sluice.serving.grammar import (
@@ -44,6 +43,7 @@ from sluice.serving.tools import OutputPlan, ToolLimits
 from . import plans
 from .gbnf_regex import grammar_regex
 from .helpers import CHAT, scripted_server
+from .models import real_runner
 
 LIMIT = DEFAULT_MAX_ALTERNATIVES
 RESPONSE = "response_format.json_schema.schema"
@@ -432,11 +432,8 @@ class Sampling:
 
 @pytest.fixture(scope="module")
 def sampling() -> Iterator[Sampling]:
-    model = resolve_model("smollm2")
-    config = LlamaRunnerConfig(model_path=str(model.path), n_parallel=1, n_ctx=512, n_threads=1)
-    runner = LlamaRunner.load(config)
-    yield Sampling(runner)
-    runner.close()
+    with real_runner() as runner:
+        yield Sampling(runner)
 
 
 # The widest of each kind the default accepts, and the points where they hold the most

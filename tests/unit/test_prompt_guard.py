@@ -10,6 +10,8 @@ import pytest
 from sluice.serving.prompt import MARK, ControlTextGuard
 from sluice.serving.templates import ChatTemplate
 
+from .models import real_runner
+
 CONTROL = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -88,16 +90,8 @@ def test_tokenize_parses_special_only_in_markup_and_bos_once() -> None:
 
 @pytest.fixture(scope="module")
 def runner() -> Iterator[Any]:
-    from sluice.catalog import resolve_model
-    from sluice.engine.llama_runner import LlamaRunner, LlamaRunnerConfig
-
-    r = LlamaRunner.load(
-        LlamaRunnerConfig(
-            model_path=str(resolve_model("smollm2").path), n_parallel=1, n_ctx=256, n_threads=1
-        )
-    )
-    yield r
-    r.close()
+    with real_runner(n_ctx=256) as r:
+        yield r
 
 
 def test_real_vocab_control_texts(runner: Any) -> None:

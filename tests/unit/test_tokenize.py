@@ -9,19 +9,15 @@ from typing import Any
 
 import pytest
 
-from sluice.catalog import resolve_model
-from sluice.engine.llama_runner import LlamaRunner, LlamaRunnerConfig
 from sluice.engine.text import literal_regex
+
+from .models import real_runner
 
 
 @pytest.fixture(scope="module", params=["smollm2", "gemma3-270m"])
 def runner(request: pytest.FixtureRequest) -> Iterator[Any]:
-    config = LlamaRunnerConfig(
-        model_path=str(resolve_model(request.param).path), n_parallel=1, n_ctx=256, n_threads=1
-    )
-    r = LlamaRunner.load(config)
-    yield r
-    r.close()
+    with real_runner(request.param, n_ctx=256) as r:
+        yield r
 
 
 def _text(rng: random.Random, specials: list[str], n: int) -> str:
