@@ -19,10 +19,31 @@ import importlib
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from sluice.errors import EngineFailure
 
 DEFAULT_MODEL = "smollm2"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """One model the server knows: from the packages, the models folder or the config file.
+
+    ``None`` fields take the server's settings (``--ctx``, ``--parallel``, ...).
+    """
+
+    name: str  # the key clients send as ``model``
+    source: str  # packaged model name or path to a .gguf file
+    origin: Literal["packaged", "models_dir", "config", "path"] = "path"
+    aliases: tuple[str, ...] = ()
+    ctx: int | None = None  # tokens per sequence
+    parallel: int | None = None  # slots
+    threads: int | None = None
+    gpu_layers: int | None = None
+    chat_template: str | None = None  # path to a Jinja file overriding the GGUF's template
+    tool_format: str | None = None  # hermes | llama3 | mistral | generic
+    ttl: float | None = None  # idle seconds before unloading; 0: never
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,7 @@ Example::
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -21,6 +22,13 @@ class Settings:
     chat_template: str | None = None  # path to a Jinja file overriding the GGUF's template
     strict_model_names: bool = False
     tool_format: str | None = None  # hermes | llama3 | mistral | generic; default: from template
+    gpu_layers: int = 0  # layers offloaded to a GPU (a llama-cpp-python built with a GPU backend)
+    # many models
+    models_dir: str | None = None  # every .gguf here is a model; None: default_models_dir()
+    config: str | None = None  # TOML file with [[models]] entries
+    max_loaded_models: int = 4  # least recently used idle model unloads to make room
+    model_ttl: float = 3600.0  # seconds an idle model stays loaded; 0: until unloaded
+    memory_budget_mb: int = 0  # weights + KV cache of all loaded models; 0: 90% of RAM
     # engine
     parallel: int = 4
     ctx: int = 4096  # tokens per sequence
@@ -68,6 +76,12 @@ class Settings:
         settings = cls(**values)
         given = {k: v for k, v in overrides.items() if v is not None}
         return replace(settings, **given)
+
+
+def default_models_dir() -> Path:
+    """Where models live when ``--models-dir`` is not given: ``$XDG_DATA_HOME/sluice/models``."""
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "sluice" / "models"
 
 
 def _parse(name: str, type_name: Any, raw: str) -> Any:

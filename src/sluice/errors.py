@@ -112,6 +112,26 @@ class EngineFailure(SluiceError):
     """The inference engine failed (decode error, model load error)."""
 
 
+class ModelUnloaded(SluiceError):
+    """The model was unloaded (on request) while this request was using it."""
+
+
+class ModelLoadFailed(EngineFailure):
+    """llama.cpp could not load a model (bad file, unsupported architecture, ...)."""
+
+
+class InsufficientMemory(ServerBusy):
+    """Loading the model needs memory that models in use hold now: retry later."""
+
+
+class ModelTooLarge(InvalidRequest):
+    """The model would not fit the memory budget even with every other model unloaded."""
+
+
+class DownloadFailed(SluiceError):
+    """A model download failed (network, HTTP status, checksum, disk)."""
+
+
 class InternalError(SluiceError):
     """Something unexpected inside the server (a bug): still answered in the dialect's shape."""
 
@@ -138,6 +158,11 @@ _TABLE: dict[type[SluiceError], ErrorSpec] = {
     ServerBusy: ErrorSpec(503, "server_error", "server_busy"),
     ShuttingDown: ErrorSpec(503, "server_error", "shutting_down"),
     EngineFailure: ErrorSpec(500, "server_error", "engine_error"),
+    ModelUnloaded: ErrorSpec(503, "server_error", "model_unloaded"),
+    ModelLoadFailed: ErrorSpec(500, "server_error", "model_load_failed"),
+    InsufficientMemory: ErrorSpec(503, "server_error", "insufficient_memory"),
+    ModelTooLarge: ErrorSpec(400, "invalid_request_error", "model_too_large"),
+    DownloadFailed: ErrorSpec(502, "server_error", "download_failed"),
     InternalError: ErrorSpec(500, "server_error", "internal_error"),
 }
 
