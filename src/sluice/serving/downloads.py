@@ -44,7 +44,7 @@ from urllib.parse import unquote, urlsplit
 
 import httpx
 
-from sluice.errors import DownloadFailed, InvalidRequest, NotFound, ShuttingDown
+from sluice.errors import DownloadFailed, InvalidRequest, JobNotFound, ShuttingDown
 
 log = logging.getLogger("sluice.downloads")
 
@@ -208,7 +208,7 @@ class DownloadManager:
     def get(self, job_id: str) -> DownloadJob:
         job = self._jobs.get(job_id)
         if job is None:
-            raise NotFound(f"No download job '{job_id}'.", param="job_id")
+            raise JobNotFound(f"No download job '{job_id}'.", param="job_id")
         return job
 
     def jobs(self) -> list[DownloadJob]:
