@@ -7,7 +7,7 @@ code, so boundary cases are tested deterministically through all of them.
 Example::
 
     runner = ScriptedRunner({"Hi": [b"\\xe2\\x82", b"\\xac", b" done"]})
-    app = create_app(Settings(), runner_factory=lambda s: runner)
+    app = create_app(Settings(model="scripted"), runner_factory=lambda s: runner)
 
 A prompt's script is looked up by the rendered prompt text (for chat: the
 fake ChatML template below); a prompt with no script gets ``default``.

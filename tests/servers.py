@@ -62,9 +62,10 @@ def serve_process_handle(
     cmd = [sys.executable, "-m", "sluice", "serve", "--port", str(port), *args]
     # Output goes to a file, not a pipe nobody drains (a full pipe would block the server).
     log_file = tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below
-    proc = subprocess.Popen(
-        cmd, env={**os.environ, **(env or {})}, stdout=log_file, stderr=subprocess.STDOUT
-    )
+    # An empty models folder unless the test gives one: the user's own models stay out.
+    empty = tempfile.TemporaryDirectory()  # noqa: SIM115 - cleaned up in the finally below
+    full_env = {**os.environ, "SLUICE_MODELS_DIR": empty.name, **(env or {})}
+    proc = subprocess.Popen(cmd, env=full_env, stdout=log_file, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     try:
@@ -89,6 +90,7 @@ def serve_process_handle(
         except subprocess.TimeoutExpired:
             proc.kill()
         log_file.close()
+        empty.cleanup()
 
 
 def health_gaps_during(base: str, send: Any, settle: float = 0.2) -> tuple[Any, list[float]]:

@@ -8,7 +8,7 @@ import sys
 from dataclasses import fields
 
 from sluice.catalog import PACKAGED
-from sluice.config import Settings
+from sluice.config import Settings, default_models_dir
 
 
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -21,8 +21,9 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     p.add_argument(
         "--model",
-        help=f"packaged model name ({', '.join(sorted(PACKAGED))}) or path to a .gguf file "
-        f"(default: {d.model})",
+        help="the default model, loaded at start: a packaged model "
+        f"({', '.join(sorted(PACKAGED))}), a model of the models folder or the config file, "
+        f"or a path to a .gguf file (default: {d.model})",
     )
     p.add_argument("--host", help=f"address to bind (default: {d.host})")
     p.add_argument("--port", type=int, help=f"port to bind (default: {d.port})")
@@ -36,7 +37,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--queue", type=int, help=f"requests that may wait for a slot (default: {d.queue})"
     )
     p.add_argument(
-        "--api-key", help="require 'Authorization: Bearer <key>' on /v1/* (default: none)"
+        "--api-key", help="require 'Authorization: Bearer <key>' on every route but /health (default: none)"
     )
     p.add_argument("--chat-template", help="Jinja chat template file overriding the model's own")
     p.add_argument(
@@ -50,6 +51,38 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         action="store_true",
         default=None,
         help="answer 404 for an unknown 'model' instead of serving the loaded one",
+    )
+    p.add_argument(
+        "--gpu-layers",
+        type=int,
+        help="layers to offload to a GPU; needs llama-cpp-python built with CUDA or Metal "
+        f"(default: {d.gpu_layers})",
+    )
+    mm = p.add_argument_group("many models (a request's 'model' picks one; it loads on first use)")
+    mm.add_argument(
+        "--models-dir",
+        help="every .gguf file below this folder is a model; downloads go here "
+        f"(default: {default_models_dir()})",
+    )
+    mm.add_argument(
+        "--config", help="TOML file with [[models]] entries (name, source, aliases, ctx, ...)"
+    )
+    mm.add_argument(
+        "--max-loaded-models",
+        type=int,
+        help="models loaded at once; the least recently used idle one unloads to make room "
+        f"(default: {d.max_loaded_models})",
+    )
+    mm.add_argument(
+        "--model-ttl",
+        type=float,
+        help=f"seconds an idle model stays loaded; 0: until unloaded (default: {d.model_ttl:g})",
+    )
+    mm.add_argument(
+        "--memory-budget-mb",
+        type=int,
+        help="memory all loaded models may use (weights + KV cache, estimated before a load); "
+        "a load that would not fit is refused (default: 90%% of RAM)",
     )
     p.add_argument("--log-level", help=f"debug, info, warning, error (default: {d.log_level})")
     lim = p.add_argument_group("limits (each one answered with a 4xx naming the field)")
@@ -208,7 +241,7 @@ def _serve(args: argparse.Namespace) -> int:
             else:
                 self.hurried_at = time.monotonic()
             if current is not None and (grace == 0 or self.signals > 1):
-                current.engine.begin_shutdown()
+                current.begin_shutdown()
             super().handle_exit(sig, frame)  # records the signal, to re-raise it at exit
             if self.signals == 2:
                 # uvicorn forces the exit on a second SIGINT, cutting the streams
@@ -228,7 +261,7 @@ def _serve(args: argparse.Namespace) -> int:
             async def end_requests() -> None:
                 while time.monotonic() < start + grace and self.hurried_at is None:
                     await asyncio.sleep(0.05)
-                current.engine.begin_shutdown()
+                current.begin_shutdown()
                 if self.hurried_at is not None:
                     await asyncio.sleep(self.hurried_at + _FLUSH_SECONDS - time.monotonic())
                     self.force_exit = True  # stop waiting for connections that did not close

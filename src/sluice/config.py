@@ -8,8 +8,8 @@ Example::
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import Any
 
 from sluice.catalog import DEFAULT_MODEL

@@ -93,6 +93,10 @@ class NotFound(SluiceError):
     """No such route or resource."""
 
 
+class JobNotFound(NotFound):
+    """No download job with this id."""
+
+
 class ServerBusy(SluiceError):
     """All slots and the queue are full: retry later."""
 
@@ -155,6 +159,7 @@ _TABLE: dict[type[SluiceError], ErrorSpec] = {
     AuthenticationFailed: ErrorSpec(401, "authentication_error", "invalid_api_key"),
     ModelNotFound: ErrorSpec(404, "invalid_request_error", "model_not_found"),
     NotFound: ErrorSpec(404, "invalid_request_error", "not_found"),
+    JobNotFound: ErrorSpec(404, "invalid_request_error", "job_not_found"),
     ServerBusy: ErrorSpec(503, "server_error", "server_busy"),
     ShuttingDown: ErrorSpec(503, "server_error", "shutting_down"),
     EngineFailure: ErrorSpec(500, "server_error", "engine_error"),
@@ -165,6 +170,42 @@ _TABLE: dict[type[SluiceError], ErrorSpec] = {
     DownloadFailed: ErrorSpec(502, "server_error", "download_failed"),
     InternalError: ErrorSpec(500, "server_error", "internal_error"),
 }
+
+
+# LM Studio's error ``type`` (spec 004) per class, found the same way; the status is
+# the table's above.
+_LMSTUDIO_TYPES: dict[type[SluiceError], str] = {
+    SluiceError: "internal_error",
+    InvalidRequest: "invalid_request",
+    BodyTooLarge: "invalid_request",
+    AuthenticationFailed: "invalid_request",
+    ModelNotFound: "model_not_found",
+    JobNotFound: "job_not_found",
+    NotFound: "invalid_request",
+    ServerBusy: "unknown",
+    ShuttingDown: "unknown",
+    ModelUnloaded: "unknown",
+    DownloadFailed: "unknown",
+}
+
+
+def lmstudio_error_body(error: SluiceError) -> dict[str, Any]:
+    """LM Studio's error JSON, ``{"error": {"type", "message", "code", "param"?}}``."""
+    lms_type = next(_LMSTUDIO_TYPES[c] for c in type(error).__mro__ if c in _LMSTUDIO_TYPES)
+    inner: dict[str, Any] = {"type": lms_type, "message": error.message}
+    code = spec_for(error).code
+    if code is not None:
+        inner["code"] = code
+    if error.param is not None:
+        inner["param"] = error.param
+    return {"error": inner}
+
+
+def as_sluice_error(error: BaseException) -> SluiceError:
+    """``error`` itself if typed, else an :class:`EngineFailure` naming it."""
+    if isinstance(error, SluiceError):
+        return error
+    return EngineFailure(f"{type(error).__name__}: {error}")
 
 
 def spec_for(error: SluiceError) -> ErrorSpec:

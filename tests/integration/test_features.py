@@ -386,7 +386,12 @@ def test_prefix_cache_reused_on_next_turn(client: OpenAI) -> None:
 def test_models_endpoints(client: OpenAI, model_id: str, base: str) -> None:
     models = client.models.list()
     ids = [m.id for m in models.data]
-    assert ids == [model_id] and model_id == "smollm2-135m-instruct"
+    # The default model first (loaded), then every other model the server knows.
+    assert ids == [model_id, "gemma-3-270m"] and model_id == "smollm2-135m-instruct"
+    states = {m.id: m.model_extra["status"] for m in models.data}  # type: ignore[index]
+    assert states == {model_id: "loaded", "gemma-3-270m": "not_loaded"}
+    # Aliases find the same model.
+    assert client.models.retrieve("smollm2").id == model_id
     m = client.models.retrieve(model_id)
     assert m.id == model_id and m.object == "model"
     raw = httpx.get(f"{base}/v1/models/{model_id}", timeout=10).json()

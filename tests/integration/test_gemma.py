@@ -27,7 +27,11 @@ def gemma() -> Iterator[str]:
 
 def test_gemma_is_the_served_model(gemma: str) -> None:
     data = httpx.get(f"{gemma}/v1/models", timeout=10).json()["data"]
-    assert [m["id"] for m in data] == ["gemma-3-270m"]
+    # The default model is listed first, loaded; the embedded one is known, not loaded.
+    assert [(m["id"], m["status"]) for m in data] == [
+        ("gemma-3-270m", "loaded"),
+        ("smollm2-135m-instruct", "not_loaded"),
+    ]
     assert data[0]["meta"]["chat_template"] is False
     assert httpx.get(f"{gemma}/health", timeout=10).json()["model"] == "gemma-3-270m"
 

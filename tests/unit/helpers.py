@@ -25,6 +25,7 @@ TEXT = "/v1/completions"
 @contextlib.contextmanager
 def scripted_server(runner: ScriptedRunner, **settings: Any) -> Iterator[str]:
     """The real app (engine, formatters, HTTP) around ``runner``, on real HTTP."""
+    settings.setdefault("model", "scripted")
     app = create_app(Settings(**settings), runner_factory=lambda s: runner)
     with serve_app(app) as base:
         yield base

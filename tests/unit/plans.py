@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from sluice.protocol.openai import ChatCompletionRequest
+from sluice.serving.request import GenerationRequest
 from sluice.serving.tools import OutputPlan, ToolLimits
 
 
-def body(**extra: Any) -> ChatCompletionRequest:
-    return ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **extra)
+def body(**extra: Any) -> GenerationRequest:
+    return ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **extra).to_request()
 
 
 def tool(name: str, parameters: Any = None) -> dict[str, Any]:

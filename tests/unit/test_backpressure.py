@@ -72,9 +72,10 @@ def test_plan_is_empty_when_everything_is_paused() -> None:
 @contextlib.contextmanager
 def served(runner: ScriptedRunner, **settings: Any) -> Iterator[tuple[str, Engine]]:
     """The real app around ``runner`` on real HTTP, and its engine (for its stats)."""
+    settings.setdefault("model", "scripted")
     app = create_app(Settings(**settings), runner_factory=lambda s: runner)
     with serve_app(app) as base:
-        yield base, app.state.sluice.engine
+        yield base, app.state.sluice.registry.get_loaded("scripted").engine
 
 
 def sampler_for(runner: ScriptedRunner, prompt: str) -> FakeSampler:

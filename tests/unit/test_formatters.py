@@ -8,15 +8,17 @@ from typing import Any
 import pytest
 
 from sluice.api.sse import PING, encode, error_frame
-from sluice.errors import ContextOverflow, EngineFailure
+from sluice.errors import ContextOverflow, EngineFailure, InvalidRequest
 from sluice.events import ErrorEvent, Finish, Start, TextDelta, TokenLogprob, TopLogprob, Usage
-from sluice.serving.accumulate import ResponseAccumulator
+from sluice.serving.accumulate import Fold
 from sluice.serving.formatters.base import DONE, Frame, UsageTotals
 from sluice.serving.formatters.openai import (
     ChatStreamFormatter,
     ResponseMeta,
     TextStreamFormatter,
+    chat_completion_body,
     chat_logprobs,
+    text_completion_body,
     text_logprobs,
 )
 
@@ -42,7 +44,9 @@ def run(fmt: ChatStreamFormatter | TextStreamFormatter, events: list) -> list[di
     frames: list[Frame] = []
     for e in events:
         frames.extend(fmt.frames(e))
-    frames.extend(fmt.end())
+    end = fmt.end()
+    assert end[-1] == DONE  # the dialect's terminal frame is the formatter's
+    frames.extend(end[:-1])
     out = []
     for f in frames:
         assert f.event is None and isinstance(f.data, dict)
@@ -72,6 +76,16 @@ def test_error_frame_carries_both_shapes() -> None:
     # A non-sluice exception becomes an engine failure, not a crash of the encoder.
     payload = json.loads(error_frame(RuntimeError("x")).split(b"data: ", 1)[1])
     assert payload["type"] == "server_error" and "RuntimeError" in payload["message"]
+
+
+def test_the_formatters_error_frame_is_the_wire_error_frame() -> None:
+    # In-stream errors are the dialect's own frames, ASCII-escaped like the
+    # pre-stream ones, so a message quoting a lone surrogate can still be sent.
+    for fmt in (ChatStreamFormatter(meta()), TextStreamFormatter(meta())):
+        error = InvalidRequest("bad \ud800 input")
+        frames = fmt.error(error)
+        assert b"".join(encode(f) for f in frames) == error_frame(error)
+        assert b"\\ud800" in error_frame(error)
 
 
 # -- chat ----------------------------------------------------------------------------
@@ -216,10 +230,10 @@ def test_usage_counts_each_distinct_prompt() -> None:
 
 def test_accumulator_folds_the_same_events() -> None:
     events = [Start(0, 5), TextDelta(0, "Hi", 1), TextDelta(0, "!", 1), Finish(0, "stop", USAGE)]
-    acc = ResponseAccumulator(meta())
+    acc = Fold(frozenset({0}))
     for e in events:
         acc.add(e)
-    body = acc.chat_completion()
+    body = chat_completion_body(meta(), acc.result())
     assert body["object"] == "chat.completion"
     assert body["choices"] == [
         {
@@ -230,14 +244,14 @@ def test_accumulator_folds_the_same_events() -> None:
         }
     ]
     assert body["usage"]["total_tokens"] == 7
-    text = ResponseAccumulator(meta())
+    text = Fold(frozenset({0}))
     for e in events:
         text.add(e)
-    assert text.text_completion()["choices"][0]["text"] == "Hi!"
+    assert text_completion_body(meta(), text.result())["choices"][0]["text"] == "Hi!"
 
 
 def test_accumulator_raises_the_stream_error() -> None:
-    acc = ResponseAccumulator(meta())
+    acc = Fold(frozenset({0}))
     acc.add(Start(0, 1))
     with pytest.raises(ContextOverflow):
         acc.add(ErrorEvent(ContextOverflow(10, 5)))

@@ -78,7 +78,9 @@ from sluice.errors import InvalidRequest
 from sluice.protocol.openai import ChatCompletionRequest
 from sluice.serving.tools import OutputPlan, ToolLimits
 for case in json.loads(sys.stdin.read()):
-    body = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **case["request"])
+    body = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "x"}], **case["request"]
+    ).to_request()
     limits = ToolLimits(max_output_chars=case["max_output_chars"])
     t = time.perf_counter()
     out = {"id": case["id"]}

@@ -1,4 +1,4 @@
-"""The HTTP application: ``create_app(settings)``; lifespan owns the engine.
+"""The HTTP application: ``create_app(settings)``; lifespan owns the model registry.
 
 Example::
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
+import os
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,11 +24,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from sluice.api import routes
+from sluice import catalog
+from sluice.api import lmstudio, routes
 from sluice.api.sse import error_response
-from sluice.catalog import resolve_model
-from sluice.config import Settings
-from sluice.engine.engine import Engine, EngineConfig
+from sluice.catalog import ModelSpec
+from sluice.config import Settings, default_models_dir
 from sluice.engine.runner import ModelRunner
 from sluice.errors import (
     AuthenticationFailed,
@@ -36,11 +37,12 @@ from sluice.errors import (
     NotFound,
     SluiceError,
 )
+from sluice.gguf_info import estimate_memory, read_gguf_info
 from sluice.protocol.body import BodyLimits
-from sluice.serving.completions import CompletionService, ServiceOptions
+from sluice.serving.downloads import DownloadManager
+from sluice.serving.local import LocalModel, ModelSettings
 from sluice.serving.offload import Offload
-from sluice.serving.templates import ChatTemplate
-from sluice.serving.tools import ToolLimits
+from sluice.serving.registry import LoadOptions, ModelRegistry, Progress
 
 log = logging.getLogger("sluice.api")
 
@@ -48,64 +50,22 @@ log = logging.getLogger("sluice.api")
 @dataclass(slots=True)
 class ServerState:
     settings: Settings
-    engine: Engine
-    service: CompletionService
+    registry: ModelRegistry  # every model the server knows; loads them just in time
     offload: Offload  # worker threads for parsing, templates, tokenization, grammars
     limits: BodyLimits
+    downloads: DownloadManager  # GGUF downloads into the models folder
     draining: bool = False  # after SIGTERM: running requests finish, new ones get 503
 
-
-def load_runner(settings: Settings) -> ModelRunner:
-    """The real llama.cpp runner for ``settings.model``."""
-    from sluice.engine.llama_runner import LlamaRunner, LlamaRunnerConfig
-
-    resolved = resolve_model(settings.model)
-    template = None
-    if settings.chat_template:
-        template = Path(settings.chat_template).read_text(encoding="utf-8")
-    return LlamaRunner.load(
-        LlamaRunnerConfig(
-            model_path=str(resolved.path),
-            model_id=resolved.id,
-            n_parallel=settings.parallel,
-            n_ctx=settings.ctx,
-            n_batch=settings.batch,
-            n_threads=settings.threads,
-            chat_template=template,
-        )
-    )
+    def begin_shutdown(self) -> None:
+        """End the running requests of every loaded model with ``shutting_down``."""
+        for status in self.registry.status():
+            model = self.registry.get_loaded(status.name)
+            if isinstance(model, LocalModel):
+                model.begin_shutdown()
 
 
-def build_state(settings: Settings, runner: ModelRunner) -> ServerState:
-    engine = Engine(
-        runner,
-        EngineConfig(
-            n_parallel=settings.parallel,
-            max_queue=settings.queue,
-            stream_buffer=settings.stream_buffer,
-        ),
-    )
-    info = runner.info
-    template = ChatTemplate(
-        info.chat_template, bos_token=info.bos_token, eos_token=info.eos_token, model_id=info.id
-    )
-    service = CompletionService(
-        engine,
-        template,
-        ServiceOptions(
-            strict_model_names=settings.strict_model_names,
-            default_max_tokens=settings.default_max_tokens,
-            tool_format=settings.tool_format,
-            prompt_special_tokens=settings.prompt_special_tokens,
-            tool_limits=ToolLimits(
-                max_tools=settings.max_tools,
-                max_schema_bytes=settings.max_schema_bytes,
-                max_grammar_repeat=settings.max_grammar_repeat,
-                max_grammar_alternatives=settings.max_grammar_alternatives,
-            ),
-        ),
-    )
-    limits = BodyLimits(
+def body_limits(settings: Settings) -> BodyLimits:
+    return BodyLimits(
         max_json_depth=settings.max_json_depth,
         max_number_digits=settings.max_number_digits,
         max_messages=settings.max_messages,
@@ -113,32 +73,110 @@ def build_state(settings: Settings, runner: ModelRunner) -> ServerState:
         max_stop_length=settings.max_stop_length,
         max_logit_bias=settings.max_logit_bias,
     )
-    return ServerState(settings, engine, service, Offload(settings.prepare_workers), limits)
+
+
+def memory_budget(settings: Settings) -> int:
+    """Bytes all loaded models may take: the setting, else 90% of physical memory."""
+    if settings.memory_budget_mb > 0:
+        return settings.memory_budget_mb * 2**20
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(total * 0.9)
+
+
+def build_state(
+    settings: Settings, runner_factory: Callable[[Settings], ModelRunner] | None = None
+) -> ServerState:
+    """The server's state. ``runner_factory`` (tests): one model, ``settings.model``,
+    whose runner it makes (e.g. a scripted runner in the real engine)."""
+    offload = Offload(settings.prepare_workers)
+    if runner_factory is None:
+        specs = catalog.discover(settings)
+        default = catalog.default_spec(settings, specs).name
+
+        def known() -> list[ModelSpec]:
+            return catalog.discover(settings)
+
+        def loader(spec: ModelSpec, options: LoadOptions, progress: Progress) -> LocalModel:
+            return LocalModel.load(spec, options, settings, offload, progress)
+
+        def estimate(spec: ModelSpec, options: LoadOptions) -> int:
+            from sluice.engine.llama_runner import gpu_offload_supported
+
+            ms = ModelSettings.of(spec, options, settings)
+            info = read_gguf_info(catalog.resolve_source(spec))
+            return estimate_memory(
+                info,
+                ctx_per_seq=ms.ctx,
+                parallel=ms.parallel,
+                batch=ms.batch,
+                # Layers on a GPU take no host RAM, but only where llama.cpp can offload.
+                gpu_layers=ms.gpu_layers if gpu_offload_supported() else 0,
+            )
+
+    else:
+        factory = runner_factory
+        only = ModelSpec(name=settings.model, source=settings.model)
+        default = only.name
+
+        def known() -> list[ModelSpec]:
+            return [only]
+
+        def loader(spec: ModelSpec, options: LoadOptions, progress: Progress) -> LocalModel:
+            return LocalModel(spec.name, factory(settings), settings, offload)
+
+        def estimate(spec: ModelSpec, options: LoadOptions) -> int:
+            return 0
+
+    registry = ModelRegistry(
+        known,
+        default=default,
+        loader=loader,
+        estimator=estimate,
+        max_loaded=settings.max_loaded_models,
+        ttl=settings.model_ttl,
+        budget_bytes=memory_budget(settings),
+        strict_names=settings.strict_model_names,
+    )
+    models_dir = Path(settings.models_dir) if settings.models_dir else default_models_dir()
+    downloads = DownloadManager(models_dir.expanduser())
+    return ServerState(settings, registry, offload, body_limits(settings), downloads)
 
 
 def create_app(
-    settings: Settings, runner_factory: Callable[[Settings], ModelRunner] = load_runner
+    settings: Settings, runner_factory: Callable[[Settings], ModelRunner] | None = None
 ) -> Starlette:
     """The ASGI app. ``runner_factory`` lets tests put a scripted runner in the real engine."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        runner = runner_factory(settings)
-        state = build_state(settings, runner)
-        state.engine.start()
+        state = build_state(settings, runner_factory)
+        registry = state.registry
+        try:
+            # The default model loads before the server takes requests, as it always did.
+            default = registry.resolve(None)
+            await registry.load(default.name)
+            await registry.start()
+        except BaseException:
+            await registry.close()
+            await state.downloads.close()
+            state.offload.close()
+            raise
         app.state.sluice = state
-        log.info(
-            "serving %s (ctx %d per sequence, %d slots)",
-            runner.info.id,
-            runner.n_ctx_seq,
-            state.engine.stats.slots,
-        )
+        model = registry.get_loaded(default.name)
+        if isinstance(model, LocalModel):
+            log.info(
+                "serving %s (ctx %d per sequence, %d slots); %d models known",
+                default.name,
+                model.runner.n_ctx_seq,
+                model.stats.slots,
+                len(registry.known()),
+            )
         try:
             yield
         finally:
-            state.engine.stop()
+            await state.downloads.close()  # a running download keeps its .part to resume
+            await registry.close()
             state.offload.close()
-            runner.close()
 
     async def on_http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
@@ -177,6 +215,7 @@ def create_app(
             Route("/v1/models", routes.list_models, methods=["GET"]),
             Route("/v1/models/{model_id:path}", routes.get_model, methods=["GET"]),
             Route("/health", routes.health, methods=["GET"]),
+            *lmstudio.ROUTES,
         ],
         lifespan=lifespan,
         exception_handlers={
@@ -191,7 +230,7 @@ def create_app(
 
 
 class BearerAuth:
-    """Requires ``Authorization: Bearer <key>`` on ``/v1/*``; ``/health`` stays open."""
+    """Requires ``Authorization: Bearer <key>`` on every route but ``/health``."""
 
     def __init__(self, app: ASGIApp, key: str) -> None:
         self.app = app
@@ -201,7 +240,7 @@ class BearerAuth:
         return getattr(self.app, name)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and scope["path"] != "/health":
             headers = dict(scope["headers"])
             auth = headers.get(b"authorization", b"").decode("latin-1")
             scheme, _, token = auth.partition(" ")

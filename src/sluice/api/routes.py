@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -13,13 +12,21 @@ from starlette.responses import Response
 
 from sluice.api.body import read_body
 from sluice.api.sse import SSEResponse, dumps, error_response, run_until_disconnect, sse_stream
+from sluice.catalog import ModelSpec
 from sluice.errors import InvalidRequest, ModelNotFound, ShuttingDown, SluiceError
 from sluice.protocol.body import BodyLimits, check_body_limits, parse_json_body, paused_gc
 from sluice.protocol.openai import ChatCompletionRequest, CompletionRequest
-from sluice.serving.accumulate import ResponseAccumulator
-from sluice.serving.completions import Generation
-from sluice.serving.formatters.openai import ChatStreamFormatter, TextStreamFormatter
-from sluice.serving.stream import EventStream
+from sluice.serving.accumulate import Fold
+from sluice.serving.formatters.openai import (
+    ChatStreamFormatter,
+    ResponseMeta,
+    TextStreamFormatter,
+    chat_completion_body,
+    text_completion_body,
+)
+from sluice.serving.local import LocalModel
+from sluice.serving.registry import ModelStatus
+from sluice.serving.request import GenerationRequest
 
 if TYPE_CHECKING:
     from sluice.api.app import ServerState
@@ -91,6 +98,7 @@ class _Parsed:
 
     stream: bool  # the body asked for a stream (picks the error shape)
     body: ChatCompletionRequest | CompletionRequest | None = None
+    request: GenerationRequest | None = None
     error: SluiceError | None = None
 
 
@@ -102,7 +110,8 @@ def _parse(
         stream = data.get("stream") is True
         try:
             check_body_limits(data, limits)
-            return _Parsed(stream, body=_validate(data, model))
+            body = _validate(data, model)
+            return _Parsed(stream, body=body, request=body.to_request())
         except SluiceError as exc:
             return _Parsed(stream, error=exc)
         finally:
@@ -113,7 +122,6 @@ async def _complete(
     request: Request, model: type[ChatCompletionRequest | CompletionRequest]
 ) -> Response:
     state = _state(request)
-    service = state.service
     try:
         raw = await read_body(request, state.settings.max_body_bytes)
     except ClientDisconnect:  # gone before its body arrived: nobody to answer
@@ -125,86 +133,121 @@ async def _complete(
     # Parsing, templates, tokenization and grammars run on worker threads: one
     # heavy request must never stall other streams or /health.
     parsed = await state.offload.run(lambda: _parse(raw, model, state.limits))
-    if parsed.body is None:
+    if parsed.body is None or parsed.request is None:
         assert parsed.error is not None
         # A streaming call that asked for SSE gets its validation error as one
         # error frame too (spec 000: no role frame, the validation message).
         return error_response(parsed.error, sse=parsed.stream and _wants_sse(request))
-    body = parsed.body
+    body, neutral = parsed.body, parsed.request
     chat = isinstance(body, ChatCompletionRequest)
-    loop = asyncio.get_running_loop()
-
-    def prepare() -> tuple[Generation, EventStream]:
-        gen = (
-            service.prepare_chat(body)
-            if isinstance(body, ChatCompletionRequest)
-            else service.prepare_text(body)
-        )
-        return gen, service.open(gen, loop)
-
+    sse = body.stream and _wants_sse(request)
     try:
-        gen, stream = await state.offload.run(prepare, on_abandon=lambda r: r[1].close())
+        # A model that is not loaded loads here (the stream waits for it), then the
+        # request is validated against it: the role frame still comes only after.
+        lease = await state.registry.acquire(neutral.model)
     except SluiceError as exc:
+        return error_response(exc, sse=sse)
+    try:
+        stream = await lease.model.open(neutral)
+    except SluiceError as exc:
+        lease.release()
         # Knowable before the first byte: a real status, in the shape asked for.
-        return error_response(exc, sse=body.stream and _wants_sse(request))
+        return error_response(exc, sse=sse)
+    except BaseException:
+        lease.release()
+        raise
+    meta = ResponseMeta.of(
+        stream.meta,
+        chat=chat,
+        include_usage=body.include_usage,
+        continuous_usage=body.continuous_usage,
+    )
+
+    async def close() -> None:
+        try:
+            await stream.aclose()
+        finally:
+            lease.release()
+
     if body.stream:
-        formatter = ChatStreamFormatter(gen.meta) if chat else TextStreamFormatter(gen.meta)
+        formatter = ChatStreamFormatter(meta) if chat else TextStreamFormatter(meta)
         return SSEResponse(  # type: ignore[return-value]
-            sse_stream(service.events(gen, stream), formatter),
-            on_close=stream.close,
+            sse_stream(stream, formatter),
+            on_close=close,
             ping_interval=state.settings.ping_interval,
             stall_timeout=state.settings.stall_timeout,
         )
 
     async def fold() -> dict[str, Any]:
-        acc = ResponseAccumulator(gen.meta)
-        async for event in service.events(gen, stream):
+        acc = Fold(stream.meta.prompt_owners)
+        async for event in stream:
             acc.add(event)
-        return acc.chat_completion() if chat else acc.text_completion()
+        render = chat_completion_body if chat else text_completion_body
+        return render(meta, acc.result())
 
     try:
         result = await run_until_disconnect(request.receive, fold())
     finally:
-        stream.close()
+        await close()
     if result is None:  # the client went away; nobody reads this
         return Response(status_code=499)
     return _json(result)
 
 
+def _model_entry(state: ServerState, spec: ModelSpec, status: ModelStatus) -> dict[str, Any]:
+    """An OpenAI ``/v1/models`` entry, with the load state and (if loaded) its details."""
+    entry: dict[str, Any] = {
+        "id": status.name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "sluice",
+        "status": status.state,
+    }
+    if spec.aliases:
+        entry["aliases"] = list(spec.aliases)
+    model = state.registry.get_loaded(status.name)
+    if isinstance(model, LocalModel):
+        entry["meta"] = model.card()
+    return entry
+
+
+def _models(state: ServerState) -> list[tuple[ModelSpec, ModelStatus]]:
+    """Every known model: the default first (clients often take the first entry as
+    "the" model), then the loaded ones, then the rest."""
+    specs = {spec.name: spec for spec in state.registry.known()}
+    default = state.registry.resolve(None).name
+    listed = [(specs[s.name], s) for s in state.registry.status() if s.name in specs]
+    return sorted(listed, key=lambda m: (m[0].name != default, m[1].state != "loaded"))
+
+
 async def list_models(request: Request) -> Response:
-    card = _state(request).service.model_card()
-    return _json({"object": "list", "data": [card]})
+    state = _state(request)
+    data = [_model_entry(state, spec, status) for spec, status in _models(state)]
+    return _json({"object": "list", "data": data})
 
 
 async def get_model(request: Request) -> Response:
-    service = _state(request).service
-    model_id = request.path_params["model_id"]
-    if model_id != service.model_id:
-        raise ModelNotFound(model_id)
-    return _json(service.model_card())
+    state = _state(request)
+    model_id = request.path_params["model_id"].lower()
+    for spec, status in _models(state):
+        if model_id in spec.lookup_keys():
+            return _json(_model_entry(state, spec, status))
+    raise ModelNotFound(request.path_params["model_id"])
 
 
 async def health(request: Request) -> Response:
     state = _state(request)
-    stats = state.engine.stats
-    return _json(
-        {
-            "status": "ok",
-            "model": state.service.model_id,
-            "slots": {
-                "total": stats.slots,
-                "active": stats.active,
-                "queued": stats.queued,
-                "prefilling": stats.prefilling,
-                "generating": stats.generating,
-                "idle": stats.idle,
-                "paused": stats.paused,  # waiting for their client to read (backpressure)
-            },
-            "engine": {
-                "steps": stats.steps,
-                "tokens_generated": stats.tokens_generated,
-                "prompt_tokens_processed": stats.prompt_tokens_processed,
-                "cached_tokens_reused": stats.cached_tokens,
-            },
-        }
-    )
+    models: dict[str, Any] = {}
+    for status in state.registry.status():
+        entry: dict[str, Any] = {"status": status.state, "in_use": status.in_use}
+        model = state.registry.get_loaded(status.name)
+        if isinstance(model, LocalModel):
+            entry.update(model.health())
+        models[status.name] = entry
+    default = state.registry.resolve(None).name
+    body: dict[str, Any] = {"status": "ok", "model": default, "models": models}
+    # The default model's figures at the top level, as before there were many models.
+    for key in ("slots", "engine"):
+        if key in models.get(default, {}):
+            body[key] = models[default][key]
+    return _json(body)

@@ -13,15 +13,21 @@ import json
 import logging
 import socket
 import struct
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from sluice.errors import EngineFailure, SluiceError, error_body, error_frame_payload, spec_for
+from sluice.errors import (
+    SluiceError,
+    as_sluice_error,
+    error_body,
+    error_frame_payload,
+    spec_for,
+)
 from sluice.events import ErrorEvent, Event
-from sluice.serving.formatters.base import DONE, Frame
+from sluice.serving.formatters.base import Frame
 
 log = logging.getLogger("sluice.api")
 
@@ -38,16 +44,13 @@ def dumps(data: Any) -> str:
 
 
 def encode(frame: Frame) -> bytes:
-    data = frame.data if isinstance(frame.data, str) else dumps(frame.data)
+    if isinstance(frame.data, str):
+        data = frame.data
+    else:
+        data = _ascii_dumps(frame.data) if frame.ascii else dumps(frame.data)
     if frame.event is None:
         return f"data: {data}\n\n".encode()
     return f"event: {frame.event}\ndata: {data}\n\n".encode()
-
-
-def as_sluice_error(error: BaseException) -> SluiceError:
-    if isinstance(error, SluiceError):
-        return error
-    return EngineFailure(f"{type(error).__name__}: {error}")
 
 
 def _ascii_dumps(data: Any) -> str:
@@ -73,25 +76,28 @@ def error_response(error: SluiceError, *, sse: bool = False) -> Response:
 
 
 class StreamFormatter(Protocol):
+    """A dialect's frames: it owns its start, error and terminal frames."""
+
     def frames(self, event: Event) -> list[Frame]: ...
+
+    def error(self, error: BaseException) -> list[Frame]: ...
 
     def end(self) -> list[Frame]: ...
 
 
 async def sse_stream(
-    events: AsyncIterator[Event], formatter: StreamFormatter, *, done: bool = True
+    events: AsyncIterable[Event], formatter: StreamFormatter
 ) -> AsyncIterator[bytes]:
-    """Events -> encoded frames; an error event ends the stream with an error frame."""
+    """Events -> encoded frames; an error event ends the stream with the dialect's error."""
     async for event in events:
         if isinstance(event, ErrorEvent):
-            yield error_frame(event.error)
+            for frame in formatter.error(event.error):
+                yield encode(frame)
             return
         for frame in formatter.frames(event):
             yield encode(frame)
     for frame in formatter.end():
         yield encode(frame)
-    if done:
-        yield encode(DONE)
 
 
 class SSEResponse:
@@ -113,7 +119,7 @@ class SSEResponse:
         self,
         body: AsyncIterator[bytes],
         *,
-        on_close: Callable[[], None],
+        on_close: Callable[[], Awaitable[None] | None],
         ping_interval: float = 10.0,
         stall_timeout: float = 60.0,
         headers: dict[str, str] | None = None,
@@ -189,7 +195,10 @@ class SSEResponse:
             for task in (producer, *others):
                 task.cancel()
             await asyncio.gather(producer, *others, return_exceptions=True)
-            self.on_close()
+            closing = self.on_close()
+            if closing is not None:
+                # Shielded: a cancelled response must still abort and release its work.
+                await asyncio.shield(asyncio.ensure_future(closing))
         if stalled:
             log.warning(
                 "a streaming client read nothing for %gs: its request was aborted",

@@ -39,6 +39,7 @@ from sluice.errors import (
     InvalidRequest,
     ServerBusy,
     ShuttingDown,
+    SluiceError,
 )
 from sluice.events import (
     ErrorEvent,
@@ -166,6 +167,7 @@ class Engine:
         self._in_flight = 0
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._stop_error: SluiceError = ShuttingDown("The server is shutting down.")
         self._finished = False
         self._counters = {"steps": 0, "generated": 0, "prompt": 0, "cached": 0}
         self._buffer = max(1, config.stream_buffer)
@@ -183,15 +185,17 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="sluice-engine", daemon=True)
         self._thread.start()
 
-    def begin_shutdown(self) -> None:
-        """Refuse new work; in-flight requests end with a ShuttingDown error frame."""
+    def begin_shutdown(self, error: SluiceError | None = None) -> None:
+        """Refuse new work; in-flight requests end with ``error`` (default: ShuttingDown)."""
         if not self._stopping:
+            if error is not None:
+                self._stop_error = error
             self._stopping = True
             self._commands.put(_Stop())
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = 10.0, error: SluiceError | None = None) -> None:
         """:meth:`begin_shutdown`, then wait for the engine thread to end."""
-        self.begin_shutdown()
+        self.begin_shutdown(error)
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
@@ -210,7 +214,7 @@ class Engine:
         knowable before the first byte is raised before the response starts.
         """
         if self._stopping:
-            raise ShuttingDown("The server is shutting down.")
+            raise self._stop_error
         for req in requests:
             self.check_prompt(len(req.prompt_tokens))
         if len(requests) > self.capacity:
@@ -248,7 +252,7 @@ class Engine:
             raise
         self._commands.put(_Add(works))
         if self._finished:  # lost a race with shutdown: nobody will run these
-            self._fail_leftovers(ShuttingDown("The server is shutting down."))
+            self._fail_leftovers(self._stop_error)
         return EngineHandle(tuple(w.key for w in works))
 
     def abort(self, handle: EngineHandle) -> None:
@@ -286,10 +290,10 @@ class Engine:
             log.exception("engine thread crashed")
             self._fail_all(EngineFailure(f"The engine stopped: {exc}"))
         else:
-            self._fail_all(ShuttingDown("The server is shutting down."))
+            self._fail_all(self._stop_error)
         finally:
             self._finished = True
-            self._fail_leftovers(ShuttingDown("The server is shutting down."))
+            self._fail_leftovers(self._stop_error)
             self.stats = self._snapshot()
 
     def _drain(self, *, block: bool, timeout: float | None = None) -> bool:

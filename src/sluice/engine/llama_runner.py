@@ -16,6 +16,7 @@ import ctypes
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ import numpy as np
 from sluice.engine.runner import BatchEntry, DecodeError, ModelInfo
 from sluice.engine.text import literal_regex
 from sluice.engine.types import SamplingParams
-from sluice.errors import EngineFailure, InvalidRequest
+from sluice.errors import InvalidRequest, ModelLoadFailed
 from sluice.events import TokenLogprob, TopLogprob
 
 log = logging.getLogger("sluice.llama")
@@ -71,6 +72,11 @@ def _init_backend() -> None:
         _backend_ready = True
 
 
+def gpu_offload_supported() -> bool:
+    """Whether this llama.cpp build can put layers on a GPU (CUDA, Metal, ...)."""
+    return bool(_llama().llama_supports_gpu_offload())
+
+
 @dataclass(frozen=True, slots=True)
 class LlamaRunnerConfig:
     model_path: str
@@ -79,6 +85,7 @@ class LlamaRunnerConfig:
     n_ctx: int = 4096  # per sequence
     n_batch: int = 512
     n_threads: int = 0  # 0: all cores
+    n_gpu_layers: int = 0  # layers offloaded to a GPU (needs a GPU build of llama.cpp)
     chat_template: str | None = None  # overrides the GGUF's own
 
 
@@ -135,16 +142,38 @@ class LlamaRunner:
     # -- loading -------------------------------------------------------------
 
     @classmethod
-    def load(cls, config: LlamaRunnerConfig) -> LlamaRunner:
+    def load(
+        cls, config: LlamaRunnerConfig, progress: Callable[[float], None] | None = None
+    ) -> LlamaRunner:
+        """Load the weights and create the context (blocking, seconds).
+
+        ``progress(fraction)`` is called from this thread as llama.cpp reads the
+        tensors (its load callback, scaled to 0..0.9), then at 1.0 once the
+        context and the vocabulary tables exist (the rest of the load time).
+        """
         _init_backend()
         L = _llama()
         path = Path(config.model_path)
         if not path.is_file():
-            raise EngineFailure(f"Model file not found: {path}")
+            raise ModelLoadFailed(f"Model file not found: {path}")
         mparams = L.llama_model_default_params()
+        mparams.n_gpu_layers = config.n_gpu_layers
+        callback = None
+        if progress is not None:
+
+            def on_progress(fraction: float, _user: Any) -> bool:
+                try:
+                    progress(0.9 * float(fraction))
+                except Exception:  # never let Python errors unwind through C
+                    log.exception("load progress callback failed")
+                return True  # go on loading
+
+            callback = L.llama_progress_callback(on_progress)
+            mparams.progress_callback = callback
         model = L.llama_model_load_from_file(str(path).encode(), mparams)
+        del callback  # llama.cpp no longer calls it
         if not model:
-            raise EngineFailure(f"llama.cpp could not load the model {path}")
+            raise ModelLoadFailed(f"llama.cpp could not load the model {path}")
         threads = config.n_threads or os.cpu_count() or 1
         cparams = L.llama_context_default_params()
         cparams.n_ctx = config.n_ctx * config.n_parallel
@@ -158,8 +187,11 @@ class LlamaRunner:
         ctx = L.llama_init_from_model(model, cparams)
         if not ctx:
             L.llama_model_free(model)
-            raise EngineFailure("llama.cpp could not create a context (out of memory?)")
-        return cls(config, model, ctx)
+            raise ModelLoadFailed("llama.cpp could not create a context (out of memory?)")
+        runner = cls(config, model, ctx)
+        if progress is not None:
+            progress(1.0)
+        return runner
 
     def _read_info(self) -> ModelInfo:
         L = self._L

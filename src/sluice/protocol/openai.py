@@ -1,8 +1,8 @@
 """Wire schemas of the OpenAI endpoints (requests), validated with pydantic.
 
 Unknown fields are accepted and reported (``unknown_fields``) so the route
-can log them; known fields sluice does not implement are rejected by the
-service with a 400 naming the field.
+can log them; known fields sluice does not implement are rejected with a 400
+naming the field when the body becomes the neutral request (``to_request``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from sluice.engine.types import SamplingParams
-from sluice.errors import InvalidRequest
+from sluice.errors import InvalidRequest, UnsupportedParameter
+from sluice.serving.request import GenerationRequest
 
 _TOKEN_ID = re.compile(r"-?[0-9]{1,18}")
 _INT32_MAX = 2**31 - 1
@@ -160,6 +161,32 @@ class ChatCompletionRequest(_SamplingFields):
             else self.max_tokens
         )
 
+    def to_request(self) -> GenerationRequest:
+        """The neutral request; :class:`UnsupportedParameter` for fields sluice lacks."""
+        if self.functions or self.function_call:
+            raise UnsupportedParameter(
+                "functions", "(the deprecated function-calling API) is not supported; use 'tools'"
+            )
+        if self.audio is not None or (self.modalities and set(self.modalities) - {"text"}):
+            raise UnsupportedParameter("modalities", "other than text are not supported")
+        if self.prediction is not None:
+            raise UnsupportedParameter("prediction", "(predicted outputs) is not supported")
+        return GenerationRequest(
+            model=self.model,
+            messages=[_template_message(i, m) for i, m in enumerate(self.messages)],
+            tools=self.tools,
+            tool_choice=self.tool_choice,
+            parallel_tool_calls=self.parallel_tool_calls,
+            response_format=self.response_format,
+            reasoning_effort=self.reasoning_effort,
+            template_kwargs=self.chat_template_kwargs,
+            sampling=self.sampling_params(),
+            max_tokens=self.token_limit(),
+            stop=self.stop_strings(),
+            n=self.n,
+            logprobs=self.top_logprobs_n(),
+        )
+
     def top_logprobs_n(self) -> int | None:
         if not self.logprobs:
             if self.top_logprobs:
@@ -181,6 +208,23 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1)
 
+    def to_request(self) -> GenerationRequest:
+        """The neutral request; :class:`UnsupportedParameter` for fields sluice lacks."""
+        if self.suffix:
+            raise UnsupportedParameter("suffix", "(fill-in-the-middle) is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise UnsupportedParameter("best_of", "other than n is not supported")
+        return GenerationRequest(
+            model=self.model,
+            prompts=self.prompts(),
+            sampling=self.sampling_params(),
+            max_tokens=self.max_tokens,
+            stop=self.stop_strings(),
+            n=self.n,
+            logprobs=self.logprobs,
+            echo=self.echo,
+        )
+
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (text or token ids)."""
         p = self.prompt
@@ -198,3 +242,31 @@ class CompletionRequest(_SamplingFields):
             "'prompt' must be a string, a list of strings, a list of token ids, or a list of lists",
             param="prompt",
         )
+
+
+def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
+    """A wire message as the plain dict chat templates expect."""
+    content: str | None
+    if isinstance(message.content, list):
+        parts = []
+        for part in message.content:
+            if part.type != "text" or part.text is None:
+                raise UnsupportedParameter(
+                    f"messages[{index}].content", f"parts of type '{part.type}' are not supported"
+                )
+            parts.append(part.text)
+        content = "".join(parts)
+    else:
+        content = message.content
+    role = "system" if message.role == "developer" else message.role
+    out: dict[str, Any] = {"role": role, "content": content if content is not None else ""}
+    if message.name is not None:
+        out["name"] = message.name
+    if message.tool_calls:
+        out["tool_calls"] = [call.model_dump(exclude_none=True) for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    reasoning = message.reasoning_content or message.reasoning
+    if reasoning:
+        out["reasoning_content"] = reasoning
+    return out

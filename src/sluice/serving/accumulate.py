@@ -1,11 +1,14 @@
-"""Non-streaming responses: a fold over the same event stream.
+"""Non-streaming responses: a fold over the same event stream into one neutral result.
+
+Each dialect renders the :class:`FoldResult` (OpenAI's bodies in
+``formatters/openai.py``); there is no second code path for non-streaming.
 
 Example::
 
-    acc = ResponseAccumulator()
+    fold = Fold(stream.meta.prompt_owners)
     async for event in stream:
-        acc.add(event)          # raises the error of an ErrorEvent
-    body = chat_completion_body(meta, acc)
+        fold.add(event)          # raises the error of an ErrorEvent
+    body = chat_completion_body(openai_meta, fold.result())
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from sluice.errors import EngineFailure, SluiceError
+from sluice.errors import SluiceError, as_sluice_error
 from sluice.events import (
     ErrorEvent,
     Event,
@@ -26,7 +29,13 @@ from sluice.events import (
     ToolCallStart,
 )
 from sluice.serving.formatters.base import UsageTotals
-from sluice.serving.formatters.openai import ResponseMeta, chat_logprobs, text_logprobs
+
+
+@dataclass(slots=True)
+class ToolCallResult:
+    id: str
+    name: str
+    arguments: str = ""
 
 
 @dataclass(slots=True)
@@ -35,33 +44,46 @@ class ChoiceState:
 
     text: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
-    tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
+    tool_calls: dict[int, ToolCallResult] = field(default_factory=dict)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
 
-    def message(self) -> dict[str, Any]:
-        content = "".join(self.text)
-        msg: dict[str, Any] = {"role": "assistant", "content": content}
-        if self.reasoning:
-            msg["reasoning_content"] = msg["reasoning"] = "".join(self.reasoning)
-        if self.tool_calls:
-            msg["content"] = content or None
-            msg["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
-        return msg
+    @property
+    def content(self) -> str:
+        return "".join(self.text)
+
+    @property
+    def reasoning_text(self) -> str | None:
+        return "".join(self.reasoning) if self.reasoning else None
+
+    def calls(self) -> list[ToolCallResult]:
+        return [self.tool_calls[i] for i in sorted(self.tool_calls)]
 
 
-class ResponseAccumulator:
-    def __init__(self, meta: ResponseMeta) -> None:
-        self.meta = meta
+@dataclass(slots=True)
+class FoldResult:
+    """A whole response: its choices by index, and usage summed over them."""
+
+    choices: dict[int, ChoiceState]
+    usage: UsageTotals
+
+    def ordered(self) -> list[tuple[int, ChoiceState]]:
+        return sorted(self.choices.items())
+
+    def usage_dict(self) -> dict[str, Any]:
+        return self.usage.as_dict()
+
+
+class Fold:
+    def __init__(self, prompt_owners: frozenset[int]) -> None:
         self.choices: dict[int, ChoiceState] = {}
-        self.usage = UsageTotals(meta.prompt_owners)
+        self.usage = UsageTotals(prompt_owners)
 
     def add(self, event: Event) -> None:
         if isinstance(event, ErrorEvent):
-            err = event.error
-            if isinstance(err, SluiceError):
-                raise err
-            raise EngineFailure(str(err)) from err
+            if isinstance(event.error, SluiceError):
+                raise event.error
+            raise as_sluice_error(event.error) from event.error
         if isinstance(event, Start):
             self.choices.setdefault(event.choice, ChoiceState())
             self.usage.start(event.choice, event.prompt_tokens)
@@ -75,53 +97,13 @@ class ResponseAccumulator:
         elif isinstance(event, ReasoningDelta):
             self.choices.setdefault(event.choice, ChoiceState()).reasoning.append(event.text)
         elif isinstance(event, ToolCallStart):
-            self.choices.setdefault(event.choice, ChoiceState()).tool_calls[event.index] = {
-                "id": event.id,
-                "type": "function",
-                "function": {"name": event.name, "arguments": ""},
-            }
+            state = self.choices.setdefault(event.choice, ChoiceState())
+            state.tool_calls[event.index] = ToolCallResult(event.id, event.name)
         elif isinstance(event, ToolCallDelta):
-            call = self.choices[event.choice].tool_calls[event.index]
-            call["function"]["arguments"] += event.arguments
+            self.choices[event.choice].tool_calls[event.index].arguments += event.arguments
         elif isinstance(event, Finish):
             self.choices.setdefault(event.choice, ChoiceState()).finish_reason = event.reason
             self.usage.finish(event)
 
-    def _base(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
-            "id": self.meta.id,
-            "object": object_name,
-            "created": self.meta.created,
-            "model": self.meta.model,
-            "system_fingerprint": None,
-            "choices": choices,
-            "usage": self.usage.as_dict(),
-        }
-
-    def chat_completion(self) -> dict[str, Any]:
-        choices = []
-        for index in sorted(self.choices):
-            state = self.choices[index]
-            choices.append(
-                {
-                    "index": index,
-                    "message": state.message(),
-                    "logprobs": chat_logprobs(state.logprobs) if self.meta.logprobs else None,
-                    "finish_reason": state.finish_reason,
-                }
-            )
-        return self._base("chat.completion", choices)
-
-    def text_completion(self) -> dict[str, Any]:
-        choices = []
-        for index in sorted(self.choices):
-            state = self.choices[index]
-            choices.append(
-                {
-                    "text": "".join(state.text),
-                    "index": index,
-                    "logprobs": text_logprobs(state.logprobs, 0) if self.meta.logprobs else None,
-                    "finish_reason": state.finish_reason,
-                }
-            )
-        return self._base("text_completion", choices)
+    def result(self) -> FoldResult:
+        return FoldResult(self.choices, self.usage)

@@ -12,7 +12,7 @@ may hold open at one point (what sampling each token costs). Each limit is a
 
 Example::
 
-    plan = OutputPlan.build(body, fmt="generic", reasoning=None, limits=ToolLimits())
+    plan = OutputPlan.build(request, fmt="generic", reasoning=None, limits=ToolLimits())
     messages = plan.prepare_messages(messages)
     sampling = replace(sampling, grammar=plan.grammar, grammar_triggers=plan.triggers)
 """
@@ -29,7 +29,6 @@ from sluice.parsers import generic
 from sluice.parsers.base import StreamParser
 from sluice.parsers.reasoning import ReasoningParser
 from sluice.parsers.registry import tool_parser
-from sluice.protocol.openai import ChatCompletionRequest
 from sluice.serving.grammar import (
     DEFAULT_MAX_ALTERNATIVES,
     DEFAULT_MAX_REPEAT,
@@ -39,6 +38,7 @@ from sluice.serving.grammar import (
     json_schema_grammar,
     tool_call_grammar,
 )
+from sluice.serving.request import GenerationRequest
 
 # How each family frames its calls; the parsers in sluice.parsers read exactly this.
 FRAMINGS: dict[str, CallFraming] = {
@@ -113,7 +113,7 @@ class OutputPlan:
     @classmethod
     def build(
         cls,
-        body: ChatCompletionRequest,
+        body: GenerationRequest,
         *,
         fmt: str,
         reasoning: ReasoningMarkers | None,

@@ -14,6 +14,9 @@ class Frame:
 
     data: dict[str, Any] | str
     event: str | None = None
+    # Escape non-ASCII as \uXXXX: error messages may quote the client's input, lone
+    # surrogates included, which are valid JSON escaped but cannot be encoded raw.
+    ascii: bool = False
 
 
 DONE = Frame("[DONE]")

@@ -5,7 +5,11 @@ Pure: events in, frames out. The stream contract (spec 000):
 1. chat: a role frame per choice (after validation), then content frames
    without ``role``, then a terminal ``delta: {}`` with ``finish_reason``;
 2. with ``stream_options.include_usage`` one ``choices: []`` usage chunk;
-3. ``data: [DONE]`` (added by the caller after :meth:`end`).
+3. ``data: [DONE]`` (the last frame of :meth:`end`).
+
+A failure after the first byte is one ``event: error`` frame (:meth:`error`),
+and the stream ends there, without ``[DONE]``. Non-streaming bodies are
+rendered from the neutral fold (:func:`chat_completion_body`).
 
 Example::
 
@@ -17,10 +21,13 @@ Example::
 
 from __future__ import annotations
 
+import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from sluice.errors import as_sluice_error, error_frame_payload
 from sluice.events import (
     Event,
     Finish,
@@ -31,7 +38,9 @@ from sluice.events import (
     ToolCallDelta,
     ToolCallStart,
 )
-from sluice.serving.formatters.base import Frame, UsageTotals
+from sluice.serving.accumulate import FoldResult
+from sluice.serving.backend import StreamMeta
+from sluice.serving.formatters.base import DONE, Frame, UsageTotals
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +54,26 @@ class ResponseMeta:
     include_usage: bool = False
     continuous_usage: bool = False
     logprobs: bool = False
+
+    @classmethod
+    def of(
+        cls,
+        stream: StreamMeta,
+        *,
+        chat: bool,
+        include_usage: bool = False,
+        continuous_usage: bool = False,
+    ) -> ResponseMeta:
+        """A response's OpenAI constants: a fresh id and time, the answering model."""
+        return cls(
+            id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=stream.model,
+            prompt_owners=stream.prompt_owners,
+            include_usage=include_usage,
+            continuous_usage=continuous_usage,
+            logprobs=stream.logprobs,
+        )
 
 
 def chat_logprobs(lps: Sequence[TokenLogprob]) -> dict[str, Any]:
@@ -112,13 +141,17 @@ class _StreamFormatter:
             self.usage.finish(event)
 
     def end(self) -> list[Frame]:
-        """Frames after the last choice finished (the usage chunk), before [DONE]."""
+        """Frames after the last choice finished: the usage chunk if asked, ``[DONE]``."""
         if not self.meta.include_usage:
-            return []
+            return [DONE]
         body = self._chunk([]).data
         assert isinstance(body, dict)
         body["usage"] = self.usage.as_dict()
-        return [Frame(body)]
+        return [Frame(body), DONE]
+
+    def error(self, error: BaseException) -> list[Frame]:
+        """The in-stream failure: one ``event: error`` frame; nothing follows it."""
+        return [Frame(error_frame_payload(as_sluice_error(error)), event="error", ascii=True)]
 
 
 class ChatStreamFormatter(_StreamFormatter):
@@ -205,3 +238,62 @@ class TextStreamFormatter(_StreamFormatter):
         return self._chunk(
             [{"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish}]
         )
+
+
+def _body(
+    meta: ResponseMeta, object_name: str, result: FoldResult, choices: list[dict[str, Any]]
+) -> dict[str, Any]:
+    return {
+        "id": meta.id,
+        "object": object_name,
+        "created": meta.created,
+        "model": meta.model,
+        "system_fingerprint": None,
+        "choices": choices,
+        "usage": result.usage_dict(),
+    }
+
+
+def chat_completion_body(meta: ResponseMeta, result: FoldResult) -> dict[str, Any]:
+    """The non-streaming ``chat.completion`` body of a folded response."""
+    choices = []
+    for index, state in result.ordered():
+        content = state.content
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        reasoning = state.reasoning_text
+        if reasoning is not None:
+            message["reasoning_content"] = message["reasoning"] = reasoning
+        calls = state.calls()
+        if calls:
+            message["content"] = content or None
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments},
+                }
+                for call in calls
+            ]
+        choices.append(
+            {
+                "index": index,
+                "message": message,
+                "logprobs": chat_logprobs(state.logprobs) if meta.logprobs else None,
+                "finish_reason": state.finish_reason,
+            }
+        )
+    return _body(meta, "chat.completion", result, choices)
+
+
+def text_completion_body(meta: ResponseMeta, result: FoldResult) -> dict[str, Any]:
+    """The non-streaming ``text_completion`` body of a folded response."""
+    choices = [
+        {
+            "text": state.content,
+            "index": index,
+            "logprobs": text_logprobs(state.logprobs, 0) if meta.logprobs else None,
+            "finish_reason": state.finish_reason,
+        }
+        for index, state in result.ordered()
+    ]
+    return _body(meta, "text_completion", result, choices)
