@@ -63,7 +63,7 @@ def serve_process_handle(
     # Output goes to a file, not a pipe nobody drains (a full pipe would block the server).
     log_file = tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below
     # An empty models folder unless the test gives one: the user's own models stay out.
-    empty = tempfile.TemporaryDirectory()  # noqa: SIM115 - cleaned up in the finally below
+    empty = tempfile.TemporaryDirectory()  # cleaned up in the finally below
     full_env = {**os.environ, "SLUICE_MODELS_DIR": empty.name, **(env or {})}
     proc = subprocess.Popen(cmd, env=full_env, stdout=log_file, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
