@@ -152,9 +152,10 @@ def create_app(
         state = build_state(settings, runner_factory)
         registry = state.registry
         try:
-            # The default model loads before the server takes requests, as it always did.
+            # The default model loads before the server takes requests, as it always did,
+            # and stays loaded (no idle TTL) unless it is unloaded on request.
             default = registry.resolve(None)
-            await registry.load(default.name)
+            await registry.load(default.name, ttl=0)
             await registry.start()
         except BaseException:
             await registry.close()

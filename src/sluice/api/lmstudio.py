@@ -326,7 +326,7 @@ async def load_model(request: Request) -> Response:
         # Accepted, as LM Studio accepts them for engines that lack them: a tool that
         # always sends its defaults still loads. The echoed config shows what applied.
         log.warning("load '%s': not set per model, ignored: %s", spec.name, ", ".join(unapplied))
-    result = await state.registry.load(spec.name, _options(body))
+    result = await state.registry.load(spec.name, _options(body), ttl=body.ttl or 0)
     out: dict[str, Any] = {
         "type": "llm",
         "instance_id": spec.name,

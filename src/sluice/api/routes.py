@@ -239,7 +239,11 @@ async def health(request: Request) -> Response:
     state = _state(request)
     models: dict[str, Any] = {}
     for status in state.registry.status():
-        entry: dict[str, Any] = {"status": status.state, "in_use": status.in_use}
+        entry: dict[str, Any] = {
+            "status": status.state,
+            "in_use": status.in_use,
+            "loads": status.loads,
+        }
         model = state.registry.get_loaded(status.name)
         if isinstance(model, LocalModel):
             entry.update(model.health())

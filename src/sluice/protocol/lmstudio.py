@@ -49,6 +49,8 @@ class LoadModelRequest(_Wire):
     num_experts: int | None = Field(default=None, ge=0)
     offload_kv_cache_to_gpu: bool | None = None
     echo_load_config: bool = False
+    # Seconds idle before it unloads; omitted: never (an explicit load stays, as in LM Studio).
+    ttl: float | None = Field(default=None, gt=0)
 
 
 class UnloadModelRequest(_Wire):

@@ -49,6 +49,7 @@ from sluice.errors import (
     ShuttingDown,
     SluiceError,
 )
+from sluice.serving.backend import Backend
 
 log = logging.getLogger("sluice.registry")
 
@@ -69,8 +70,8 @@ class LoadOptions:
     parallel: int | None = None
 
 
-class LoadedModel(Protocol):
-    """What a loader returns."""
+class LoadedModel(Backend, Protocol):
+    """What a loader returns: a backend the registry can close."""
 
     def close(self) -> None:
         """Blocking: end in-flight requests (a ``ModelUnloaded`` frame) and free the memory."""
@@ -94,6 +95,7 @@ class ModelStatus:
     load_seconds: float | None
     estimate_bytes: int | None  # known once the model was sized (loaded, or a load tried)
     load_config: dict[str, Any] | None
+    loads: int = 0  # loads completed since the server started
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,6 +238,7 @@ class _Entry:
     # Waiters between a load's end and taking their lease: the fresh model is
     # not idle for them, so neither LRU nor TTL may take it away.
     pending: int = 0
+    loads: int = 0  # loads completed since the server started
 
     def state(self) -> State:
         if self.loading is not None:
@@ -607,6 +610,7 @@ class ModelRegistry:
         instance = _Instance(spec, model, load.options, load.estimate, seconds)
         entry.instance = instance
         entry.loading = None
+        entry.loads += 1
         log.info("loaded '%s' in %.2f s", spec.name, seconds)
         self._wake.set()
         return instance
@@ -714,6 +718,7 @@ class ModelRegistry:
                 else self._estimates.get((spec, _effective(spec, None)))
             ),
             load_config=instance.model.load_config() if instance is not None else None,
+            loads=entry.loads if entry is not None else 0,
         )
 
     def get_loaded(self, name: str) -> LoadedModel | None:
