@@ -199,3 +199,13 @@ def test_unload_on_request_ends_the_streams_on_that_model_with_an_error_frame(
     assert "[DONE]" not in rest
     assert states(base)[GEMMA] == "not_loaded"
     assert complete(base, GEMMA).status_code == 200  # loads again on the next request
+
+
+def test_a_request_can_set_the_idle_ttl_of_the_model_it_loads(two_slots: str) -> None:
+    base = two_slots
+    res = complete(base, GEMMA, ttl=1)  # LM Studio's per-request ttl, in seconds
+    assert res.status_code == 200, res.text
+    wait_for(lambda: states(base)[GEMMA] == "not_loaded", within=10)
+    assert states(base)[SMOL] == "loaded"
+    bad = complete(base, GEMMA, ttl=0)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "ttl"

@@ -144,7 +144,7 @@ async def _complete(
     try:
         # A model that is not loaded loads here (the stream waits for it), then the
         # request is validated against it: the role frame still comes only after.
-        lease = await state.registry.acquire(neutral.model)
+        lease = await state.registry.acquire(neutral.model, ttl=body.ttl)
     except SluiceError as exc:
         return error_response(exc, sse=sse)
     try:

@@ -88,6 +88,8 @@ class _SamplingFields(_Wire):
     n: int = Field(default=1, ge=1, le=16)
     user: str | None = None
     ignore_eos: bool = False
+    # LM Studio's extension: seconds the model stays loaded once idle (just-in-time loads)
+    ttl: float | None = Field(default=None, gt=0)
 
     # The count and length of stop strings are limits (protocol/body.py), not schema.
 
