@@ -26,12 +26,8 @@ from sluice.errors import (
     ServerBusy,
     ShuttingDown,
 )
-from sluice.serving.registry import (
-    LoadOptions,
-    ModelRegistry,
-    Progress,
-    mem_available,
-)
+from sluice.serving.memory import mem_available
+from sluice.serving.registry import LoadOptions, ModelRegistry, Progress
 
 GiB = 1 << 30
 SPECS = [

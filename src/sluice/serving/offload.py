@@ -102,3 +102,46 @@ class Offload:
                     job.on_abandon(result)
                 except Exception:  # pragma: no cover - best effort at shutdown
                     log.exception("releasing an abandoned result failed")
+
+
+def post_to_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> bool:
+    """``fn`` on ``loop`` from any thread; False if the loop is closed."""
+    try:
+        loop.call_soon_threadsafe(fn)
+    except RuntimeError:  # the loop is closed: nobody is waiting any more
+        return False
+    return True
+
+
+def run_in_thread(
+    fn: Callable[[], T], name: str, abandon: Callable[[T], None] | None = None
+) -> asyncio.Future[T]:
+    """Run ``fn`` on a new daemon thread of its own (a load or an unload: seconds, rare);
+    ``abandon`` disposes of a result nobody awaits any more."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def work() -> None:
+        try:
+            value = fn()
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the waiters
+            error = exc if isinstance(exc, Exception) else RuntimeError(repr(exc))
+
+            def fail() -> None:
+                if not future.cancelled():
+                    future.set_exception(error)
+
+            post_to_loop(loop, fail)
+            return
+
+        def succeed() -> None:
+            if not future.cancelled():
+                future.set_result(value)
+            elif abandon is not None:
+                threading.Thread(target=abandon, args=(value,), daemon=True).start()
+
+        if not post_to_loop(loop, succeed) and abandon is not None:
+            abandon(value)
+
+    threading.Thread(target=work, name=name, daemon=True).start()
+    return future

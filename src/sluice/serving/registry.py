@@ -32,24 +32,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal, Protocol, TypeVar
 
 from sluice.catalog import ModelSpec
 from sluice.errors import (
-    InsufficientMemory,
     ModelLoadFailed,
     ModelNotFound,
-    ModelTooLarge,
     ServerBusy,
     ShuttingDown,
     SluiceError,
 )
 from sluice.serving.backend import Backend
+from sluice.serving.memory import RETRY_AFTER, mem_available, plan_room
+from sluice.serving.offload import post_to_loop, run_in_thread
 
 log = logging.getLogger("sluice.registry")
 
@@ -57,9 +55,6 @@ T = TypeVar("T")
 
 State = Literal["not_loaded", "loading", "loaded", "unloading"]
 Progress = Callable[[float], None]
-
-# A model in use is usually idle again within one response: worth a retry soon.
-RETRY_AFTER = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,22 +100,6 @@ class LoadResult:
     seconds: float  # how long the load took; 0.0 if the model was already loaded
 
 
-def mem_available(path: Path = Path("/proc/meminfo")) -> int | None:
-    """Linux's ``MemAvailable`` in bytes; ``None`` where it cannot be read."""
-    try:
-        with path.open() as lines:
-            for line in lines:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def _size(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
-
-
 def _effective(spec: ModelSpec, options: LoadOptions | None) -> LoadOptions:
     """Options with the spec's values filled in, so equal configurations compare equal."""
     options = options or LoadOptions()
@@ -136,52 +115,11 @@ def _describe(options: LoadOptions) -> str:
     return f"context_length={ctx}, parallel={parallel}"
 
 
-def _post(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> bool:
-    try:
-        loop.call_soon_threadsafe(fn)
-    except RuntimeError:  # the loop is closed: nobody is waiting any more
-        return False
-    return True
-
-
 def _close_quietly(model: LoadedModel) -> None:
     try:
         model.close()
     except Exception:
         log.exception("closing an abandoned model failed")
-
-
-def _in_thread(
-    fn: Callable[[], T], name: str, abandon: Callable[[T], None] | None = None
-) -> asyncio.Future[T]:
-    """Run ``fn`` on a new daemon thread; ``abandon`` disposes of a result nobody awaits."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[T] = loop.create_future()
-
-    def work() -> None:
-        try:
-            value = fn()
-        except BaseException as exc:  # noqa: BLE001 - every failure must reach the waiters
-            error = exc if isinstance(exc, Exception) else RuntimeError(repr(exc))
-
-            def fail() -> None:
-                if not future.cancelled():
-                    future.set_exception(error)
-
-            _post(loop, fail)
-            return
-
-        def succeed() -> None:
-            if not future.cancelled():
-                future.set_result(value)
-            elif abandon is not None:
-                threading.Thread(target=abandon, args=(value,), daemon=True).start()
-
-        if not _post(loop, succeed) and abandon is not None:
-            abandon(value)
-
-    threading.Thread(target=work, name=name, daemon=True).start()
-    return future
 
 
 @dataclass(slots=True, eq=False)
@@ -257,6 +195,9 @@ class _Entry:
 
     def holds(self) -> bool:
         return self.instance is not None or self.loading is not None
+
+    def last_used(self) -> float:
+        return self.instance.last_used if self.instance is not None else 0.0
 
     def held(self) -> int:
         """Bytes this model holds or is about to hold."""
@@ -520,7 +461,9 @@ class ModelRegistry:
         if need is None:
             # Off the loop: sizing reads the file's metadata.
             try:
-                need = await _in_thread(lambda: self._estimator(spec, options), "sluice-estimate")
+                need = await run_in_thread(
+                    lambda: self._estimator(spec, options), "sluice-estimate"
+                )
             except SluiceError:
                 raise
             except Exception as exc:
@@ -530,55 +473,14 @@ class ModelRegistry:
 
     def _make_room(self, spec: ModelSpec, need: int) -> list[_Entry]:
         """The idle models to unload so ``need`` fits; raises if it cannot fit now."""
-        if need > self._budget:
-            raise ModelTooLarge(
-                f"Model '{spec.name}' needs {_size(need)} of memory, more than the whole "
-                f"budget of {_size(self._budget)} (--memory-budget-mb), even with every "
-                "other model unloaded.",
-                param="model",
-            )
         holders = [e for e in self._entries.values() if e.holds()]
-        idle = sorted((e for e in holders if e.idle()), key=_last_used)
-        used = sum(e.held() for e in holders)
-        available = self._available()
-        victims: list[_Entry] = []
-        freed = 0
-        while True:
-            over_budget = used - freed + need > self._budget
-            over_ram = available is not None and need > available + freed
-            over_count = len(holders) - len(victims) + 1 > self._max_loaded
-            if not (over_budget or over_ram or over_count):
-                return victims
-            if not idle:
-                break
-            victim = idle.pop(0)
-            victims.append(victim)
-            freed += victim.held()
-        busy = [e for e in holders if e not in victims]
-        if over_budget or over_ram:
-            raise InsufficientMemory(
-                self._memory_message(spec, need, used - freed, available, busy),
-                retry_after=RETRY_AFTER,
-            )
-        names = ", ".join(f"'{e.spec.name}' ({e.activity()})" for e in busy)
-        raise ServerBusy(
-            f"Cannot load '{spec.name}': {self._max_loaded} models are loaded, the limit "
-            f"set by --max-loaded-models, and all are in use: {names}. Retry later, or "
-            "unload one.",
-            retry_after=RETRY_AFTER,
-        )
-
-    def _memory_message(
-        self, spec: ModelSpec, need: int, used: int, available: int | None, busy: list[_Entry]
-    ) -> str:
-        holders = ", ".join(f"'{e.spec.name}' ({_size(e.held())}, {e.activity()})" for e in busy)
-        if used + need > self._budget:
-            where = f"the memory budget is {_size(self._budget)} and {_size(used)} of it is held"
-        else:
-            where = f"only {_size(available or 0)} of RAM is available, with memory held"
-        return (
-            f"Cannot load '{spec.name}' (needs {_size(need)}): {where} by models in use: "
-            f"{holders or 'none'}. Retry when they are idle, or unload one."
+        return plan_room(
+            spec.name,
+            need,
+            holders,
+            budget=self._budget,
+            max_loaded=self._max_loaded,
+            available=self._available(),
         )
 
     async def _load(
@@ -588,13 +490,13 @@ class ModelRegistry:
         loop = asyncio.get_running_loop()
 
         def progress(value: float) -> None:  # on the load thread
-            _post(loop, lambda: load.deliver(value))
+            post_to_loop(loop, lambda: load.deliver(value))
 
         try:
             if unloads:
                 await asyncio.wait(unloads)
             started = time.monotonic()
-            model = await _in_thread(
+            model = await run_in_thread(
                 lambda: self._loader(spec, load.options, progress),
                 f"sluice-load-{spec.name}",
                 abandon=_close_quietly,
@@ -637,7 +539,7 @@ class ModelRegistry:
 
         async def close() -> None:
             try:
-                await _in_thread(instance.model.close, f"sluice-unload-{instance.spec.name}")
+                await run_in_thread(instance.model.close, f"sluice-unload-{instance.spec.name}")
             except Exception:  # the instance is gone from the registry either way
                 log.exception("closing '%s' failed", instance.spec.name)
             else:
@@ -740,10 +642,6 @@ class ModelRegistry:
         unloads = [self._unload(e) for e in self._entries.values() if e.instance is not None]
         if unloads:
             await asyncio.wait(unloads)
-
-
-def _last_used(entry: _Entry) -> float:
-    return entry.instance.last_used if entry.instance is not None else 0.0
 
 
 def _in_flight(entries: Iterable[_Entry]) -> Iterable[asyncio.Task[Any]]:
