@@ -11,7 +11,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -146,3 +147,30 @@ def slow_socket(base: str, path: str, body: dict[str, Any], timeout: float = 10)
     ).encode()
     sock.sendall(head + payload)
     return sock
+
+
+@contextlib.contextmanager
+def http_server(handle: Callable[[BaseHTTPRequestHandler], None]) -> Iterator[str]:
+    """A real threaded HTTP/1.1 server on 127.0.0.1 whose GETs go to ``handle``.
+
+    Yields its base URL (``http://127.0.0.1:<port>``); stops it on exit.
+    """
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:
+            handle(self)
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.daemon_threads = True
+    thread = threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

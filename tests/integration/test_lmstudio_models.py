@@ -9,16 +9,15 @@ mid-file, so a download through the endpoint must resume to finish.
 from __future__ import annotations
 
 import socket
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from servers import serve_process
+from servers import http_server, serve_process
 
 from sluice.catalog import resolve_model
 from sluice.gguf_info import read_gguf_info
@@ -94,26 +93,9 @@ def files(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fi
     with source.open("rb") as f:
         short.write_bytes(f.read(1 << 20))  # a GGUF head: enough to fail its checksum
     server = FileServer({f"{MIRROR}.gguf": source, "short.gguf": short})
-
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def do_GET(self) -> None:
-            server.handle(self)
-
-        def log_message(self, format: str, *args: object) -> None:
-            pass
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    httpd.daemon_threads = True
-    server.base = f"http://127.0.0.1:{httpd.server_address[1]}"
-    thread = threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True)
-    thread.start()
-    try:
+    with http_server(server.handle) as base:
+        server.base = base
         yield server
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
 
 
 @pytest.fixture(scope="module")

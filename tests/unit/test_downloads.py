@@ -19,12 +19,13 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from servers import http_server
 
 from sluice.errors import DownloadFailed, InvalidRequest, NotFound
 from sluice.serving.downloads import DownloadJob, DownloadManager
@@ -154,27 +155,12 @@ def server(gguf_bytes: bytes, tmp_path: Path) -> Iterator[FileServer]:
     source.parent.mkdir()
     source.write_bytes(gguf_bytes)
     files = FileServer(source.read_bytes())
-
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def do_GET(self) -> None:
-            files.handle(self)
-
-        def log_message(self, format: str, *args: object) -> None:
-            pass
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    httpd.daemon_threads = True
-    files.base = f"http://127.0.0.1:{httpd.server_address[1]}"
-    thread = threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True)
-    thread.start()
-    try:
-        yield files
-    finally:
-        files.faults.release.set()
-        httpd.shutdown()
-        httpd.server_close()
+    with http_server(files.handle) as base:
+        files.base = base
+        try:
+            yield files
+        finally:
+            files.faults.release.set()
 
 
 @pytest.fixture
