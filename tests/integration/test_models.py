@@ -205,7 +205,10 @@ def test_a_request_can_set_the_idle_ttl_of_the_model_it_loads(two_slots: str) ->
     base = two_slots
     res = complete(base, GEMMA, ttl=1)  # LM Studio's per-request ttl, in seconds
     assert res.status_code == 200, res.text
+    # A request's ttl does not unpin a model loaded explicitly (the default, at start).
+    assert complete(base, SMOL, ttl=1).status_code == 200
     wait_for(lambda: states(base)[GEMMA] == "not_loaded", within=10)
+    time.sleep(1.5)
     assert states(base)[SMOL] == "loaded"
     bad = complete(base, GEMMA, ttl=0)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "ttl"

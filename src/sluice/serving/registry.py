@@ -133,6 +133,8 @@ class _Instance:
     load_seconds: float
     leases: int = 0
     ttl: float | None = None  # set by acquire(ttl=...); None: the spec's, else the registry's
+    # Set by an explicit load(ttl=...) (0: stays loaded): a request's ttl does not change it.
+    ttl_pinned: bool = False
     last_used: float = field(default_factory=time.monotonic)
     last_used_wall: float = field(default_factory=time.time)
 
@@ -352,9 +354,10 @@ class ModelRegistry:
 
         ``options`` None takes whatever instance is loaded; other options than the
         loaded instance's reload it when idle (``ServerBusy`` when in use). ``ttl``
-        sets this model's idle TTL from now on, like LM Studio's per-request ttl.
+        sets this model's idle TTL from now on, like LM Studio's per-request ttl,
+        unless an explicit :meth:`load` set it.
         """
-        return await self._acquire(self.resolve(name), options, progress, ttl)
+        return await self._acquire(self.resolve(name), options, progress, ttl, pin=False)
 
     async def load(
         self,
@@ -364,8 +367,11 @@ class ModelRegistry:
         *,
         ttl: float | None = None,
     ) -> LoadResult:
-        """Load a model explicitly (no fallback to the default) and hold no lease."""
-        lease = await self._acquire(self._named(name), options, progress, ttl)
+        """Load a model explicitly (no fallback to the default) and hold no lease.
+
+        ``ttl`` (0: never unload when idle) holds against later requests' ttl.
+        """
+        lease = await self._acquire(self._named(name), options, progress, ttl, pin=ttl is not None)
         lease.release()
         return LoadResult(lease.spec, lease.loaded_now, lease.load_seconds or 0.0)
 
@@ -375,6 +381,8 @@ class ModelRegistry:
         options: LoadOptions | None,
         progress: Progress | None,
         ttl: float | None,
+        *,
+        pin: bool,
     ) -> Lease:
         entry = self._entry(spec)
         wanted = None if options is None else _effective(spec, options)
@@ -394,11 +402,11 @@ class ModelRegistry:
                 joined = True
                 self._check_open()
                 if entry.instance is instance:
-                    return self._lease(instance, joined, ttl)
+                    return self._lease(instance, joined, ttl, pin)
             elif entry.instance is not None:
                 instance = entry.instance
                 if wanted is None or instance.options == wanted:
-                    return self._lease(instance, joined, ttl)
+                    return self._lease(instance, joined, ttl, pin)
                 if not entry.idle():
                     raise ServerBusy(
                         f"Model '{spec.name}' is in use with other load options "
@@ -424,11 +432,12 @@ class ModelRegistry:
             if progress is not None:
                 load.subscribers.remove(progress)
 
-    def _lease(self, instance: _Instance, loaded_now: bool, ttl: float | None) -> Lease:
+    def _lease(self, instance: _Instance, loaded_now: bool, ttl: float | None, pin: bool) -> Lease:
         instance.leases += 1
         instance.touch()
-        if ttl is not None:
+        if ttl is not None and (pin or not instance.ttl_pinned):
             instance.ttl = ttl
+            instance.ttl_pinned = pin
         return Lease(instance, loaded_now, self._wake.set)
 
     def _check_open(self) -> None:
