@@ -14,14 +14,18 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
+import re
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from sluice.engine.runner import BatchEntry, DecodeError, ModelInfo
 from sluice.engine.text import literal_regex
@@ -37,6 +41,7 @@ _log_callback: Any = None  # kept alive for the life of the process
 
 _DEFAULT_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: a random seed per sampler
 _TOKENIZE_PIECE = 8192  # characters: longer texts are tokenized in pieces (see tokenize)
+_PIECE_BUF = 256  # bytes: token_bytes's buffer (a longer piece comes out empty)
 
 
 def _llama() -> Any:
@@ -77,6 +82,129 @@ def gpu_offload_supported() -> bool:
     return bool(_llama().llama_supports_gpu_offload())
 
 
+# -- vocabulary tables ---------------------------------------------------------------
+#
+# The runner needs two facts about the whole vocabulary at load: which tokens are
+# control (or unknown) tokens, and the longest token piece. Asked token by token
+# through the C API that is two ctypes calls per token, ~0.25 s for Gemma's
+# 262,144 tokens: more than half of what llama.cpp itself takes to load the model.
+# llama.cpp already holds both in two arrays it fills for every token when it loads
+# a vocabulary (its token table and its token-to-piece cache), which two exported,
+# non-public accessors of ``llama_vocab`` point into. They are read in bulk, once the
+# layout checks out against the C API (element addresses, and the attributes,
+# scores, text and piece lengths of tokens spread over the vocabulary); a build
+# without those symbols (another C++ ABI or platform) or with another layout gets
+# the token-by-token scan, whose results are the same.
+
+_TOKEN_DATA_SYMBOL = "_ZNK11llama_vocab14get_token_dataEi"  # const token_data & (id) const
+_PIECE_SYMBOL = "_ZNK11llama_vocab14token_to_pieceB5cxx11Ei"  # const std::string & (id) const
+_TOKEN_DATA_SIZE = 40  # struct token_data { std::string text; float score; int32 attr; }
+_STRING_SIZE = 32  # libstdc++ std::string: data pointer, size, 16-byte inline buffer
+_CHECK_TOKENS = 64  # tokens spread over the vocabulary whose bulk values are checked
+
+
+def _check_tokens(n_vocab: int) -> list[int]:
+    step = max(1, n_vocab // _CHECK_TOKENS)
+    return sorted({0, 1, n_vocab - 1, *range(0, n_vocab, step)} - {n_vocab})
+
+
+def _accessor(L: Any, symbol: str) -> Any:
+    lib = getattr(getattr(L, "llama_cpp", None), "_lib", None)
+    if lib is None:
+        return None
+    try:
+        fn = lib[symbol]  # a new function object: the bindings' own stay untouched
+    except (AttributeError, KeyError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int32]
+    fn.restype = ctypes.c_void_p
+    return fn
+
+
+def _table(base: int, n: int, stride: int) -> npt.NDArray[np.int32]:
+    """``n`` rows of ``stride`` bytes at ``base`` as int32 words: a view of llama.cpp's
+    memory (copy what you keep)."""
+    raw = (ctypes.c_char * (n * stride)).from_address(base)
+    return np.frombuffer(memoryview(raw).cast("B"), dtype=np.int32).reshape(n, stride // 4)
+
+
+def _int64_column(table: npt.NDArray[np.int32], word: int) -> npt.NDArray[np.int64]:
+    return table[:, word : word + 2].copy().view(np.int64)[:, 0]
+
+
+def _bulk_attrs(L: Any, vocab: Any, n_vocab: int) -> npt.NDArray[np.int32] | None:
+    """Every token's attributes from llama.cpp's token table; None if unverified."""
+    get = _accessor(L, _TOKEN_DATA_SYMBOL)
+    if get is None:
+        return None
+    checks = _check_tokens(n_vocab)
+    base = get(vocab, 0)
+    if not base or any(get(vocab, t) != base + t * _TOKEN_DATA_SIZE for t in checks):
+        return None
+    table = _table(base, n_vocab, _TOKEN_DATA_SIZE)
+    attrs = table[:, 9].copy()  # int32 after the 32-byte string and the float score
+    sample = table[checks]
+    scores = sample[:, 8].view(np.float32)
+    text_len = _int64_column(sample, 2)  # the string's size, after its data pointer
+    for i, t in enumerate(checks):
+        score = float(L.llama_vocab_get_score(vocab, t))
+        if int(attrs[t]) != int(L.llama_vocab_get_attr(vocab, t)):
+            return None
+        if not (float(scores[i]) == score or (math.isnan(score) and math.isnan(scores[i]))):
+            return None
+        if int(text_len[i]) != len(L.llama_vocab_get_text(vocab, t) or b""):
+            return None
+    return attrs
+
+
+def _bulk_piece_lengths(L: Any, vocab: Any, n_vocab: int) -> npt.NDArray[np.int64] | None:
+    """Every token's piece length (``special=True``) from llama.cpp's piece cache; None
+    if unverified."""
+    get = _accessor(L, _PIECE_SYMBOL)
+    if get is None:
+        return None
+    checks = _check_tokens(n_vocab)
+    base = get(vocab, 0)
+    if not base or any(get(vocab, t) != base + t * _STRING_SIZE for t in checks):
+        return None
+    table = _table(base, n_vocab, _STRING_SIZE)
+    sizes = _int64_column(table, 2)
+    if int(sizes.min()) < 0:
+        return None
+    checks = sorted({*checks, int(np.argmax(sizes))})
+    pointers = _int64_column(table[checks], 0)
+    buf = ctypes.create_string_buffer(_PIECE_BUF)
+    for i, t in enumerate(checks):
+        n = L.llama_token_to_piece(vocab, t, buf, _PIECE_BUF, 0, True)
+        size = int(sizes[t])
+        if size != abs(n):  # n < 0: too long for the buffer, -n is its length
+            return None
+        # A short string keeps its bytes inline, right after its pointer and size.
+        if size < 16 and int(pointers[i]) != base + t * _STRING_SIZE + 16:
+            return None
+    return sizes
+
+
+def _vocab_tables(L: Any, vocab: Any, n_vocab: int) -> tuple[list[int], int]:
+    """(control or unknown token ids, longest ``token_bytes(t, special=True)``)."""
+    control = L.LLAMA_TOKEN_ATTR_CONTROL | L.LLAMA_TOKEN_ATTR_UNKNOWN
+    attrs = _bulk_attrs(L, vocab, n_vocab) if n_vocab else None
+    sizes = _bulk_piece_lengths(L, vocab, n_vocab) if n_vocab else None
+    if attrs is not None and sizes is not None:
+        ids = np.flatnonzero(attrs & control).tolist()
+        # token_bytes reads a piece into a _PIECE_BUF buffer: a longer one is empty.
+        fits = sizes[sizes <= _PIECE_BUF]
+        return ids, int(fits.max()) if fits.size else 0
+    if n_vocab:
+        log.debug("vocabulary tables: bulk read unavailable, scanning token by token")
+    get_attr = L.llama_vocab_get_attr
+    to_piece = L.llama_token_to_piece
+    buf = ctypes.create_string_buffer(_PIECE_BUF)
+    ids = [t for t in range(n_vocab) if get_attr(vocab, t) & control]
+    longest = max((to_piece(vocab, t, buf, _PIECE_BUF, 0, True) for t in range(n_vocab)), default=0)
+    return ids, max(longest, 0)
+
+
 @dataclass(frozen=True, slots=True)
 class LlamaRunnerConfig:
     model_path: str
@@ -115,28 +243,19 @@ class LlamaRunner:
         self.n_batch = int(L.llama_n_batch(ctx))
         self.dense_sequences = True  # per-sequence KV streams: see Engine._compact
         self._batch = L.llama_batch_init(self.n_batch, 0, 1)
-        self._piece_buf = ctypes.create_string_buffer(256)
+        self._piece_buf = ctypes.create_string_buffer(_PIECE_BUF)
         self._pieces: dict[int, bytes] = {}
         self._special_pieces: dict[int, bytes] = {}
-        self._eog = [t for t in range(self.n_vocab) if L.llama_vocab_is_eog(self._vocab, t)]
-        self._eog_set = frozenset(self._eog)
-        attrs = [L.llama_vocab_get_attr(self._vocab, t) for t in range(self.n_vocab)]
-        control = L.LLAMA_TOKEN_ATTR_CONTROL | L.LLAMA_TOKEN_ATTR_UNKNOWN
-        self.control_texts = tuple(
-            text for t, a in enumerate(attrs) if a & control and (text := self._special_text(t))
-        )
-        # Where tokenize may cut a long text: before a control-token text. (Cutting at
-        # user-defined tokens, which llama.cpp also splits at, is not safe: Gemma's
-        # include runs of newlines, and a cut inside a run changes the split.)
-        self._control_re = literal_regex(self.control_texts)
-        self._max_control_len = max(map(len, self.control_texts), default=1)
+        self._eog: list[int] | None = None  # every end-of-generation token, on first use
+        control_ids, self.max_piece_bytes = _vocab_tables(L, self._vocab, self.n_vocab)
+        self.control_texts = tuple(text for t in control_ids if (text := self._special_text(t)))
+        # Where tokenize may cut a long text: before a control-token text; compiled on
+        # first use (only texts over _TOKENIZE_PIECE characters need it).
+        self._control_pattern: tuple[re.Pattern[str] | None, int] | None = None
         self._add_bos = bool(L.llama_vocab_get_add_bos(self._vocab))
         self._add_eos = bool(L.llama_vocab_get_add_eos(self._vocab))
         self._bos = int(L.llama_vocab_bos(self._vocab))
         self._eos = int(L.llama_vocab_eos(self._vocab))
-        self.max_piece_bytes = max(
-            len(self.token_bytes(t, special=True)) for t in range(self.n_vocab)
-        )
         self.info = self._read_info()
 
     # -- loading -------------------------------------------------------------
@@ -170,10 +289,12 @@ class LlamaRunner:
 
             callback = L.llama_progress_callback(on_progress)
             mparams.progress_callback = callback
+        started = time.perf_counter()
         model = L.llama_model_load_from_file(str(path).encode(), mparams)
         del callback  # llama.cpp no longer calls it
         if not model:
             raise ModelLoadFailed(f"llama.cpp could not load the model {path}")
+        model_loaded = time.perf_counter()
         threads = config.n_threads or os.cpu_count() or 1
         cparams = L.llama_context_default_params()
         cparams.n_ctx = config.n_ctx * config.n_parallel
@@ -188,7 +309,15 @@ class LlamaRunner:
         if not ctx:
             L.llama_model_free(model)
             raise ModelLoadFailed("llama.cpp could not create a context (out of memory?)")
+        context_made = time.perf_counter()
         runner = cls(config, model, ctx)
+        log.info(
+            "loaded %s: model %.3f s, context %.3f s, vocabulary tables %.3f s",
+            config.model_id or path.stem,
+            model_loaded - started,
+            context_made - model_loaded,
+            time.perf_counter() - context_made,
+        )
         if progress is not None:
             progress(1.0)
         return runner
@@ -218,7 +347,7 @@ class LlamaRunner:
     def _special_text(self, token: int) -> str:
         if token < 0:
             return ""
-        n = self._L.llama_token_to_piece(self._vocab, token, self._piece_buf, 256, 0, True)
+        n = self._L.llama_token_to_piece(self._vocab, token, self._piece_buf, _PIECE_BUF, 0, True)
         return self._piece_buf.raw[: max(n, 0)].decode("utf-8", "replace")
 
     # -- any thread (read-only model data) -----------------------------------
@@ -249,22 +378,32 @@ class LlamaRunner:
 
     def _control_cuts(self, text: str) -> list[int]:
         """Offsets, about every ``_TOKENIZE_PIECE`` characters, where a control-token text starts."""
-        pattern = self._control_re
+        pattern, max_len = self._control_cut_pattern()
         if pattern is None:
             return []
         cuts: list[int] = []
         target = _TOKENIZE_PIECE
         while target < len(text):
             # Start a little early, so as not to land inside a special text.
-            m = pattern.search(
-                text, max(target - self._max_control_len, cuts[-1] + 1 if cuts else 1)
-            )
+            m = pattern.search(text, max(target - max_len, cuts[-1] + 1 if cuts else 1))
             if m is None:
                 break
             if m.start() > 0:
                 cuts.append(m.start())
             target = max(target, m.start()) + _TOKENIZE_PIECE
         return cuts
+
+    def _control_cut_pattern(self) -> tuple[re.Pattern[str] | None, int]:
+        # (Cutting at user-defined tokens, which llama.cpp also splits at, is not safe:
+        # Gemma's include runs of newlines, and a cut inside a run changes the split.)
+        found = self._control_pattern
+        if found is None:  # two threads may both build it: the same value either way
+            found = (
+                literal_regex(self.control_texts),
+                max(map(len, self.control_texts), default=1),
+            )
+            self._control_pattern = found
+        return found
 
     def _tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
         data = text.encode("utf-8")
@@ -285,14 +424,22 @@ class LlamaRunner:
         cache = self._special_pieces if special else self._pieces
         piece = cache.get(token)
         if piece is None:
-            buf = ctypes.create_string_buffer(256)
-            n = self._L.llama_token_to_piece(self._vocab, token, buf, 256, 0, special)
+            buf = ctypes.create_string_buffer(_PIECE_BUF)
+            n = self._L.llama_token_to_piece(self._vocab, token, buf, _PIECE_BUF, 0, special)
             piece = buf.raw[: max(n, 0)]
             cache[token] = piece
         return piece
 
     def is_eog(self, token: int) -> bool:
-        return token in self._eog_set
+        return bool(self._L.llama_vocab_is_eog(self._vocab, token))
+
+    def _eog_tokens(self) -> list[int]:
+        eog = self._eog
+        if eog is None:  # two threads may both scan: the same list either way
+            is_eog = self._L.llama_vocab_is_eog
+            eog = [t for t in range(self.n_vocab) if is_eog(self._vocab, t)]
+            self._eog = eog
+        return eog
 
     def valid_token(self, token: int) -> bool:
         return 0 <= token < self.n_vocab
@@ -319,7 +466,7 @@ class LlamaRunner:
             L.llama_sampler_chain_add(chain, grammar)
         biases = list(params.logit_bias)
         if params.ignore_eos:
-            biases += [(t, float("-inf")) for t in self._eog]
+            biases += [(t, float("-inf")) for t in self._eog_tokens()]
         if biases:
             arr = (L.llama_logit_bias * len(biases))()
             for i, (token, bias) in enumerate(biases):
