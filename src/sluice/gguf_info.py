@@ -69,6 +69,7 @@ class GgufInfo:
     file_size: int  # bytes, all shards of a split model
     architecture: str
     name: str | None  # general.name
+    organization: str | None  # general.organization (LM Studio's "publisher")
     size_label: str | None  # general.size_label, e.g. "135M"
     params_string: str  # size_label, else derived from n_params
     n_params: int  # sum of the tensors' element counts
@@ -303,6 +304,7 @@ def _interpret(
         file_size=file_size,
         architecture=arch,
         name=_str(md, "general.name"),
+        organization=(_str(md, "general.organization") or "").strip() or None,
         size_label=size_label,
         params_string=size_label or params_string(n_params),
         n_params=n_params,

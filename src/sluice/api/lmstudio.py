@@ -37,7 +37,6 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from sluice import gguf_info
 from sluice.api.body import read_body
 from sluice.api.sse import dumps
 from sluice.catalog import ModelSpec, resolve_source
@@ -167,7 +166,7 @@ def read_model_file(spec: ModelSpec, settings: Settings) -> ModelFile:
     try:
         path = resolve_source(spec)
         info = read_gguf_info(path)
-        publisher = _organization(str(path), *_stamp(path)) or "local"
+        publisher = info.organization or "local"
     except (SluiceError, GgufError, OSError) as exc:
         message = exc.message if isinstance(exc, SluiceError) else str(exc)
         raise ModelLoadFailed(f"Cannot read model '{spec.name}': {message}") from exc
@@ -180,23 +179,6 @@ def read_model_file(spec: ModelSpec, settings: Settings) -> ModelFile:
         log.warning("cannot read chat template %s: %s", override, exc)
         return ModelFile(info, publisher, info.chat_template, info.supports_tools)
     return ModelFile(info, publisher, template, "tools" in template)
-
-
-def _stamp(path: Path) -> tuple[int, int]:
-    st = path.stat()
-    return st.st_size, st.st_mtime_ns
-
-
-@functools.lru_cache(maxsize=256)
-def _organization(path: str, size: int, mtime_ns: int) -> str | None:
-    """``general.organization`` of a GGUF; cached until the file changes.
-
-    GgufInfo does not carry this key, so the header is read once more (a few ms).
-    """
-    value = gguf_info._read_header(Path(path)).metadata.get("general.organization")
-    if not isinstance(value, str) or not value.strip():
-        return None
-    return value.strip()
 
 
 def _read_all(specs: list[ModelSpec], settings: Settings) -> dict[str, ModelFile | None]:
