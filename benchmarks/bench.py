@@ -791,6 +791,19 @@ def summarize(
     return out
 
 
+def render_table(head: list[str], rows: list[list[str]], markdown: bool) -> str:
+    """A Markdown table, or a right-aligned plain-text one."""
+    if markdown:
+        lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+        return "\n".join(lines)
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    fmt = "  ".join(f"{{:>{w}}}" for w in widths)
+    return "\n".join(
+        [fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows]
+    )
+
+
 def table(levels: list[int], summary: dict[str, Any], markdown: bool) -> str:
     head = [
         "streams",
@@ -823,15 +836,7 @@ def table(levels: list[int], summary: dict[str, Any], markdown: bool) -> str:
                 f"{x['sluice_ttft_p50_ms']:.0f} / {x['sluice_ttft_p95_ms']:.0f}",
             ]
         )
-    if markdown:
-        lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-        lines += ["| " + " | ".join(r) + " |" for r in rows]
-        return "\n".join(lines)
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
-    fmt = "  ".join(f"{{:>{w}}}" for w in widths)
-    return "\n".join(
-        [fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows]
-    )
+    return render_table(head, rows, markdown)
 
 
 def main() -> None:

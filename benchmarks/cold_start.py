@@ -44,7 +44,6 @@ import json
 import os
 import re
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -56,7 +55,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
-from bench import Noise, free_port, loadavg, machine_info
+from bench import Noise, _dechunk, free_port, loadavg, machine_info, med, render_table
 
 # Short enough that the prefill is a small part of a cold start, long enough to be a
 # real prompt (about 30 tokens with either vocabulary).
@@ -318,19 +317,6 @@ class Server:
         self.models_dir.cleanup()
 
 
-def _dechunk(body: bytes) -> bytes:
-    out = bytearray()
-    i = 0
-    while i < len(body):
-        j = body.index(b"\r\n", i)
-        size = int(body[i:j].split(b";")[0], 16)
-        if size == 0:
-            break
-        out += body[j + 2 : j + 2 + size]
-        i = j + 2 + size + 2
-    return bytes(out)
-
-
 def _parse_sse(raw: bytes) -> dict[str, Any]:
     head, _, body = raw.partition(b"\r\n\r\n")
     status = int(head.split(b" ", 2)[1]) if head.startswith(b"HTTP/") else 0
@@ -421,10 +407,6 @@ def sluice_run(server: Server, name: str) -> dict[str, Any]:
 # ---------------------------------------------------------------------------
 # orchestration and report
 # ---------------------------------------------------------------------------
-
-
-def med(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
 
 
 def measure_model(
@@ -583,15 +565,7 @@ def table(summary: dict[str, Any], markdown: bool) -> str:
                 f"{x['sluice_outside_load_ms']:.0f}",
             ]
         )
-    if markdown:
-        lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-        lines += ["| " + " | ".join(r) + " |" for r in rows]
-        return "\n".join(lines)
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
-    fmt = "  ".join(f"{{:>{w}}}" for w in widths)
-    return "\n".join(
-        [fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows]
-    )
+    return render_table(head, rows, markdown)
 
 
 def main() -> None:
