@@ -121,6 +121,18 @@ def _accessor(L: Any, symbol: str) -> Any:
     return fn
 
 
+def _array_base(L: Any, symbol: str, vocab: Any, checks: list[int], stride: int) -> int | None:
+    """Where the accessor's per-token elements start, if they are one array of
+    ``stride``-byte rows (checked on ``checks``); None otherwise."""
+    get = _accessor(L, symbol)
+    if get is None:
+        return None
+    base = get(vocab, 0)
+    if not base or any(get(vocab, t) != base + t * stride for t in checks):
+        return None
+    return int(base)
+
+
 def _table(base: int, n: int, stride: int) -> npt.NDArray[np.int32]:
     """``n`` rows of ``stride`` bytes at ``base`` as int32 words: a view of llama.cpp's
     memory (copy what you keep)."""
@@ -134,12 +146,9 @@ def _int64_column(table: npt.NDArray[np.int32], word: int) -> npt.NDArray[np.int
 
 def _bulk_attrs(L: Any, vocab: Any, n_vocab: int) -> npt.NDArray[np.int32] | None:
     """Every token's attributes from llama.cpp's token table; None if unverified."""
-    get = _accessor(L, _TOKEN_DATA_SYMBOL)
-    if get is None:
-        return None
     checks = _check_tokens(n_vocab)
-    base = get(vocab, 0)
-    if not base or any(get(vocab, t) != base + t * _TOKEN_DATA_SIZE for t in checks):
+    base = _array_base(L, _TOKEN_DATA_SYMBOL, vocab, checks, _TOKEN_DATA_SIZE)
+    if base is None:
         return None
     table = _table(base, n_vocab, _TOKEN_DATA_SIZE)
     attrs = table[:, 9].copy()  # int32 after the 32-byte string and the float score
@@ -160,12 +169,9 @@ def _bulk_attrs(L: Any, vocab: Any, n_vocab: int) -> npt.NDArray[np.int32] | Non
 def _bulk_piece_lengths(L: Any, vocab: Any, n_vocab: int) -> npt.NDArray[np.int64] | None:
     """Every token's piece length (``special=True``) from llama.cpp's piece cache; None
     if unverified."""
-    get = _accessor(L, _PIECE_SYMBOL)
-    if get is None:
-        return None
     checks = _check_tokens(n_vocab)
-    base = get(vocab, 0)
-    if not base or any(get(vocab, t) != base + t * _STRING_SIZE for t in checks):
+    base = _array_base(L, _PIECE_SYMBOL, vocab, checks, _STRING_SIZE)
+    if base is None:
         return None
     table = _table(base, n_vocab, _STRING_SIZE)
     sizes = _int64_column(table, 2)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,8 +151,6 @@ class LocalModel:
         progress: Progress | None = None,
     ) -> LocalModel:
         """Load ``spec`` with llama.cpp (blocking; run it off the event loop)."""
-        import time
-
         from sluice.engine.llama_runner import LlamaRunner, LlamaRunnerConfig
 
         ms = ModelSettings.of(spec, options, settings)
