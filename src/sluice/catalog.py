@@ -233,7 +233,7 @@ def load_config(path: str | os.PathLike[str]) -> list[ModelSpec]:
         ctx = 8192
     """
     file = Path(path).expanduser()
-    data = _read_toml(file)
+    data = read_toml(file)
     unknown = sorted(set(data) - _RESERVED_TABLES - {"models"})
     if unknown:
         raise ConfigError(
@@ -248,7 +248,7 @@ def load_config(path: str | os.PathLike[str]) -> list[ModelSpec]:
     return specs
 
 
-def _read_toml(file: Path) -> dict[str, Any]:
+def read_toml(file: Path) -> dict[str, Any]:
     try:
         with file.open("rb") as f:
             return tomllib.load(f)
@@ -281,7 +281,7 @@ class _Entry:
                 raise self.error(key, "is required")
             return None
         if not isinstance(value, str):
-            raise self.error(key, f"must be a non-empty string, not {_describe(value)}")
+            raise self.error(key, f"must be a non-empty string, not {describe_value(value)}")
         if not value.strip():
             raise self.error(key, "must be a non-empty string")
         return value
@@ -291,7 +291,7 @@ class _Entry:
         if value is None:
             return None
         if isinstance(value, bool) or not isinstance(value, int):
-            raise self.error(key, f"must be an integer, not {_describe(value)}")
+            raise self.error(key, f"must be an integer, not {describe_value(value)}")
         if value < _INT_KEYS[key]:
             raise self.error(key, f"must be at least {_INT_KEYS[key]}, not {value}")
         return value
@@ -328,7 +328,9 @@ def _entry(file: Path, index: int, table: dict[str, Any]) -> ModelSpec:
 def _aliases(e: _Entry) -> tuple[str, ...]:
     value = e.table.get("aliases", [])
     if not isinstance(value, list) or not all(isinstance(a, str) and a.strip() for a in value):
-        raise e.error("aliases", f"must be a list of non-empty strings, not {_describe(value)}")
+        raise e.error(
+            "aliases", f"must be a list of non-empty strings, not {describe_value(value)}"
+        )
     return tuple(value)
 
 
@@ -344,13 +346,13 @@ def _ttl(e: _Entry) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise e.error("ttl", f"must be a number of seconds, not {_describe(value)}")
+        raise e.error("ttl", f"must be a number of seconds, not {describe_value(value)}")
     if value < 0:
         raise e.error("ttl", f"must be at least 0 (0: never unload), not {value}")
     return float(value)
 
 
-def _describe(value: Any) -> str:
+def describe_value(value: Any) -> str:
     kinds = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
     kinds |= {list: "a list", dict: "a table"}
     return f"{kinds.get(type(value), type(value).__name__)} ({value!r})"

@@ -140,6 +140,50 @@ class InternalError(SluiceError):
     """Something unexpected inside the server (a bug): still answered in the dialect's shape."""
 
 
+class UpstreamFailed(SluiceError):
+    """An upstream server failed: refused the connection, reset it, answered 5xx,
+    dropped a stream, or sent what is not OpenAI SSE (502, spec 002)."""
+
+
+class UpstreamTimeout(UpstreamFailed):
+    """An upstream server sent nothing within its slot's timeout."""
+
+
+class UpstreamMalformed(UpstreamFailed):
+    """An upstream server's answer is not the OpenAI shape it should be."""
+
+
+class UpstreamUnavailable(ServerBusy):
+    """Every replica of an upstream slot is known to be down: retry after the next check."""
+
+
+class UpstreamRejected(SluiceError):
+    """An upstream server refused the request (a 4xx): its status and error, as it said them.
+
+    Only for dialects that decode an upstream's answer; an OpenAI request to an
+    OpenAI upstream gets the upstream's bytes themselves.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        retry_after: str | None = None,
+    ) -> None:
+        super().__init__(message, param=param)
+        self.status = status
+        self.type = type
+        self.code = code
+        self.retry_after = retry_after
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": self.retry_after} if self.retry_after else {}
+
+
 @dataclass(frozen=True, slots=True)
 class ErrorSpec:
     status: int
@@ -169,6 +213,11 @@ _TABLE: dict[type[SluiceError], ErrorSpec] = {
     ModelTooLarge: ErrorSpec(400, "invalid_request_error", "model_too_large"),
     DownloadFailed: ErrorSpec(502, "server_error", "download_failed"),
     InternalError: ErrorSpec(500, "server_error", "internal_error"),
+    UpstreamFailed: ErrorSpec(502, "server_error", "upstream_error"),
+    UpstreamTimeout: ErrorSpec(502, "server_error", "upstream_timeout"),
+    UpstreamMalformed: ErrorSpec(502, "server_error", "upstream_malformed"),
+    UpstreamUnavailable: ErrorSpec(503, "server_error", "upstream_unavailable"),
+    # UpstreamRejected: the upstream's own status, type and code (see spec_for)
 }
 
 
@@ -180,12 +229,14 @@ _LMSTUDIO_TYPES: dict[type[SluiceError], str] = {
     BodyTooLarge: "invalid_request",
     AuthenticationFailed: "invalid_request",
     ModelNotFound: "model_not_found",
+    UpstreamRejected: "invalid_request",
     JobNotFound: "job_not_found",
     NotFound: "invalid_request",
     ServerBusy: "unknown",
     ShuttingDown: "unknown",
     ModelUnloaded: "unknown",
     DownloadFailed: "unknown",
+    UpstreamFailed: "unknown",
 }
 
 
@@ -209,6 +260,8 @@ def as_sluice_error(error: BaseException) -> SluiceError:
 
 
 def spec_for(error: SluiceError) -> ErrorSpec:
+    if isinstance(error, UpstreamRejected):  # the one error whose status is not ours
+        return ErrorSpec(error.status, error.type, error.code)
     for cls in type(error).__mro__:
         spec = _TABLE.get(cls)
         if spec is not None:

@@ -32,6 +32,10 @@ class StreamMeta:
     # The choices whose prompt counts in usage: with n > 1, choices share a prompt.
     prompt_owners: frozenset[int]
     logprobs: bool = False
+    # Who answers: the slot (a local model's name, an upstream's name) and, for an
+    # upstream, the replica's base URL. Every dialect names them in a response header.
+    slot: str = ""
+    replica: str | None = None
 
 
 class ResponseStream(Protocol):

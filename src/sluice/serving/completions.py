@@ -126,6 +126,7 @@ class CompletionService:
         ]
         meta = StreamMeta(
             model=self.name,
+            slot=self.name,
             choices=body.n,
             prompt_owners=frozenset({0}),
             logprobs=top_n is not None,
@@ -177,6 +178,7 @@ class CompletionService:
                 )
         meta = StreamMeta(
             model=self.name,
+            slot=self.name,
             choices=len(requests),
             prompt_owners=frozenset(owners),
             logprobs=body.logprobs is not None,
