@@ -37,7 +37,8 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--queue", type=int, help=f"requests that may wait for a slot (default: {d.queue})"
     )
     p.add_argument(
-        "--api-key", help="require 'Authorization: Bearer <key>' on every route but /health (default: none)"
+        "--api-key",
+        help="require 'Authorization: Bearer <key>' on every route but /health (default: none)",
     )
     p.add_argument("--chat-template", help="Jinja chat template file overriding the model's own")
     p.add_argument(
@@ -65,7 +66,9 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         f"(default: {default_models_dir()})",
     )
     mm.add_argument(
-        "--config", help="TOML file with [[models]] entries (name, source, aliases, ctx, ...)"
+        "--config",
+        help="TOML file with [[models]] (name, source, aliases, ctx, ...) and [[upstreams]] "
+        "(name, urls, api_key_env, models, aliases, timeout): see the README",
     )
     mm.add_argument(
         "--max-loaded-models",

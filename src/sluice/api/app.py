@@ -25,7 +25,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sluice import catalog
-from sluice.api import lmstudio, routes
+from sluice.api import info, lmstudio, metrics, routes
 from sluice.api.sse import error_response
 from sluice.catalog import ModelSpec
 from sluice.config import Settings, default_models_dir
@@ -39,10 +39,15 @@ from sluice.errors import (
 )
 from sluice.gguf_info import estimate_memory, read_gguf_info
 from sluice.protocol.body import BodyLimits
+from sluice.router.config import load_upstreams
+from sluice.router.pool import UpstreamPool
+from sluice.serving.dispatch import Dispatcher
 from sluice.serving.downloads import DownloadManager
 from sluice.serving.local import LocalModel, ModelSettings
+from sluice.serving.metrics import Metrics
 from sluice.serving.offload import Offload
 from sluice.serving.registry import LoadOptions, ModelRegistry, Progress
+from sluice.serving.upstream import UpstreamSlot
 
 log = logging.getLogger("sluice.api")
 
@@ -54,6 +59,8 @@ class ServerState:
     offload: Offload  # worker threads for parsing, templates, tokenization, grammars
     limits: BodyLimits
     downloads: DownloadManager  # GGUF downloads into the models folder
+    dispatcher: Dispatcher  # model names -> slots: local models and upstream servers
+    metrics: Metrics  # live per-slot figures (/metrics, /v1/info)
     draining: bool = False  # after SIGTERM: running requests finish, new ones get 503
 
     def begin_shutdown(self) -> None:
@@ -139,7 +146,15 @@ def build_state(
     )
     models_dir = Path(settings.models_dir) if settings.models_dir else default_models_dir()
     downloads = DownloadManager(models_dir.expanduser())
-    return ServerState(settings, registry, offload, body_limits(settings), downloads)
+    meters = Metrics()
+    upstreams = [
+        UpstreamSlot(spec, UpstreamPool(spec), meters.slot(spec.name, "upstream"))
+        for spec in (load_upstreams(settings.config) if settings.config else [])
+    ]
+    dispatcher = Dispatcher(registry, upstreams, meters)
+    return ServerState(
+        settings, registry, offload, body_limits(settings), downloads, dispatcher, meters
+    )
 
 
 def create_app(
@@ -157,7 +172,9 @@ def create_app(
             default = registry.resolve(None)
             await registry.load(default.name, ttl=0)
             await registry.start()
+            await state.dispatcher.start()  # a first health check finds upstreams' models
         except BaseException:
+            await state.dispatcher.close()
             await registry.close()
             await state.downloads.close()
             state.offload.close()
@@ -176,6 +193,7 @@ def create_app(
             yield
         finally:
             await state.downloads.close()  # a running download keeps its .part to resume
+            await state.dispatcher.close()
             await registry.close()
             state.offload.close()
 
@@ -215,6 +233,8 @@ def create_app(
             Route("/v1/completions", routes.completions, methods=["POST"]),
             Route("/v1/models", routes.list_models, methods=["GET"]),
             Route("/v1/models/{model_id:path}", routes.get_model, methods=["GET"]),
+            Route("/v1/info", info.catalog, methods=["GET"]),
+            Route("/metrics", metrics.metrics, methods=["GET"]),
             Route("/health", routes.health, methods=["GET"]),
             *lmstudio.ROUTES,
         ],

@@ -181,7 +181,7 @@ def read_model_file(spec: ModelSpec, settings: Settings) -> ModelFile:
     return ModelFile(info, publisher, template, "tools" in template)
 
 
-def _read_all(specs: list[ModelSpec], settings: Settings) -> dict[str, ModelFile | None]:
+def read_all_model_files(specs: list[ModelSpec], settings: Settings) -> dict[str, ModelFile | None]:
     """Every model's file (blocking); None for one that cannot be read, so one broken
     file does not hide the others."""
     files: dict[str, ModelFile | None] = {}
@@ -260,7 +260,9 @@ async def list_models(request: Request) -> Response:
     specs = {spec.name: spec for spec in state.registry.known()}
     # A loaded model whose file vanished has no spec to read: not listed (as on disk).
     listed = [(specs[s.name], s) for s in state.registry.status() if s.name in specs]
-    files = await state.offload.run(lambda: _read_all([spec for spec, _ in listed], state.settings))
+    files = await state.offload.run(
+        lambda: read_all_model_files([spec for spec, _ in listed], state.settings)
+    )
     return _json({"models": [model_entry(spec, s, files[spec.name]) for spec, s in listed]})
 
 

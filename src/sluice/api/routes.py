@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -10,13 +12,22 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
+from sluice.api import info
 from sluice.api.body import read_body
-from sluice.api.sse import SSEResponse, dumps, error_response, run_until_disconnect, sse_stream
+from sluice.api.sse import (
+    SSEResponse,
+    dumps,
+    error_frame,
+    error_response,
+    run_until_disconnect,
+    sse_stream,
+)
 from sluice.catalog import ModelSpec
 from sluice.errors import InvalidRequest, ModelNotFound, ShuttingDown, SluiceError
 from sluice.protocol.body import BodyLimits, check_body_limits, parse_json_body, paused_gc
 from sluice.protocol.openai import ChatCompletionRequest, CompletionRequest
 from sluice.serving.accumulate import Fold
+from sluice.serving.dispatch import UpstreamTarget
 from sluice.serving.formatters.openai import (
     ChatStreamFormatter,
     ResponseMeta,
@@ -27,6 +38,7 @@ from sluice.serving.formatters.openai import (
 from sluice.serving.local import LocalModel
 from sluice.serving.registry import ModelStatus
 from sluice.serving.request import GenerationRequest
+from sluice.serving.upstream import slot_header
 
 if TYPE_CHECKING:
     from sluice.api.app import ServerState
@@ -100,14 +112,31 @@ class _Parsed:
     body: ChatCompletionRequest | CompletionRequest | None = None
     request: GenerationRequest | None = None
     error: SluiceError | None = None
+    # An upstream model's request: the body to forward, only ``model`` rewritten.
+    upstream: UpstreamTarget | None = None
+    forward: bytes = b""
+
+
+Router = Callable[[str | None], UpstreamTarget | None]
 
 
 def _parse(
-    raw: bytes, model: type[ChatCompletionRequest | CompletionRequest], limits: BodyLimits
+    raw: bytes,
+    model: type[ChatCompletionRequest | CompletionRequest],
+    limits: BodyLimits,
+    route: Router,
 ) -> _Parsed:
     with paused_gc():
         data = parse_json_body(raw, limits)
         stream = data.get("stream") is True
+        name = data.get("model")
+        target = route(name) if isinstance(name, str) else None
+        if target is not None:
+            # Validation is the upstream's: it may take fields sluice does not know.
+            if name != target.model:  # an alias: the upstream gets its own name
+                data["model"] = target.model
+                raw = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
+            return _Parsed(stream, upstream=target, forward=raw)
         try:
             check_body_limits(data, limits)
             body = _validate(data, model)
@@ -132,7 +161,11 @@ async def _complete(
         raise ShuttingDown("The server is shutting down; no new requests are admitted.")
     # Parsing, templates, tokenization and grammars run on worker threads: one
     # heavy request must never stall other streams or /health.
-    parsed = await state.offload.run(lambda: _parse(raw, model, state.limits))
+    route = state.dispatcher.upstream
+    parsed = await state.offload.run(lambda: _parse(raw, model, state.limits, route))
+    if parsed.upstream is not None:
+        path = "/chat/completions" if model is ChatCompletionRequest else "/completions"
+        return await _passthrough(request, parsed, parsed.upstream, path)
     if parsed.body is None or parsed.request is None:
         assert parsed.error is not None
         # A streaming call that asked for SSE gets its validation error as one
@@ -144,11 +177,11 @@ async def _complete(
     try:
         # A model that is not loaded loads here (the stream waits for it), then the
         # request is validated against it: the role frame still comes only after.
-        lease = await state.registry.acquire(neutral.model, ttl=body.ttl)
+        lease = await state.dispatcher.acquire(neutral.model, ttl=body.ttl)
     except SluiceError as exc:
         return error_response(exc, sse=sse)
     try:
-        stream = await lease.model.open(neutral)
+        stream = await lease.open(neutral)
     except SluiceError as exc:
         lease.release()
         # Knowable before the first byte: a real status, in the shape asked for.
@@ -162,6 +195,7 @@ async def _complete(
         include_usage=body.include_usage,
         continuous_usage=body.continuous_usage,
     )
+    headers = {"x-sluice-slot": slot_header(stream.meta.slot, stream.meta.replica)}
 
     async def close() -> None:
         try:
@@ -176,6 +210,7 @@ async def _complete(
             on_close=close,
             ping_interval=state.settings.ping_interval,
             stall_timeout=state.settings.stall_timeout,
+            headers=headers,
         )
 
     async def fold() -> dict[str, Any]:
@@ -191,7 +226,49 @@ async def _complete(
         await close()
     if result is None:  # the client went away; nobody reads this
         return Response(status_code=499)
-    return _json(result)
+    response = _json(result)
+    response.headers.update(headers)
+    return response
+
+
+async def _passthrough(
+    request: Request, parsed: _Parsed, target: UpstreamTarget, path: str
+) -> Response:
+    """An OpenAI request to an upstream model: its answer's bytes, unchanged (spec 003)."""
+    state = _state(request)
+    accept = request.headers.get("accept")
+    try:
+        answer = await target.backend().passthrough(
+            path, parsed.forward, {"accept": accept} if accept else None
+        )
+    except SluiceError as exc:  # no replica answered: 502, or 503 when all are down
+        return error_response(exc, sse=parsed.stream and _wants_sse(request))
+    if answer.streaming:
+
+        async def forward() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in answer.stream():
+                    yield chunk
+            except SluiceError as exc:  # after the first byte: the dialect's error frame
+                yield error_frame(exc)
+
+        return SSEResponse(  # type: ignore[return-value]
+            forward(),
+            on_close=answer.aclose,
+            ping_interval=0,  # the bytes are the upstream's: no pings of ours in them
+            stall_timeout=state.settings.stall_timeout,
+            headers=answer.headers(),
+            base_headers=[(b"x-accel-buffering", b"no")],
+        )
+    try:
+        body = await run_until_disconnect(request.receive, answer.read())
+    except SluiceError as exc:  # the upstream failed while sending its answer
+        return error_response(exc)
+    finally:
+        await answer.aclose()
+    if body is None:
+        return Response(status_code=499)
+    return Response(body, answer.status, answer.headers())
 
 
 def _model_entry(state: ServerState, spec: ModelSpec, status: ModelStatus) -> dict[str, Any]:
@@ -220,9 +297,31 @@ def _models(state: ServerState) -> list[tuple[ModelSpec, ModelStatus]]:
     return sorted(listed, key=lambda m: (m[0].name != default, m[1].state != "loaded"))
 
 
+def _upstream_entries(state: ServerState) -> list[tuple[list[str], dict[str, Any]]]:
+    """Every upstream model's ``/v1/models`` entry, with the names it answers to."""
+    out = []
+    for public, slot, model in info.upstream_models(state):
+        aliases = [a for a in slot.aliases_of(model) if a != public]
+        entry: dict[str, Any] = {
+            "id": public,
+            "object": "model",
+            "created": 0,
+            "owned_by": slot.name,
+            "status": slot.pool.state(),
+        }
+        if aliases:
+            entry["aliases"] = aliases
+        window = info.upstream_context(info.upstream_entry(slot, model))
+        if window is not None:
+            entry["meta"] = {"n_ctx": window}
+        out.append(([k.lower() for k in (public, *aliases)], entry))
+    return out
+
+
 async def list_models(request: Request) -> Response:
     state = _state(request)
     data = [_model_entry(state, spec, status) for spec, status in _models(state)]
+    data += [entry for _, entry in _upstream_entries(state)]
     return _json({"object": "list", "data": data})
 
 
@@ -232,6 +331,9 @@ async def get_model(request: Request) -> Response:
     for spec, status in _models(state):
         if model_id in spec.lookup_keys():
             return _json(_model_entry(state, spec, status))
+    for keys, entry in _upstream_entries(state):
+        if model_id in keys:
+            return _json(entry)
     raise ModelNotFound(request.path_params["model_id"])
 
 

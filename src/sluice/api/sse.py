@@ -123,12 +123,13 @@ class SSEResponse:
         ping_interval: float = 10.0,
         stall_timeout: float = 60.0,
         headers: dict[str, str] | None = None,
+        base_headers: list[tuple[bytes, bytes]] | None = None,
     ) -> None:
         self.body = body
         self.on_close = on_close
-        self.ping_interval = ping_interval
+        self.ping_interval = ping_interval  # <= 0: never (a passthrough's bytes are not ours)
         self.stall_timeout = stall_timeout  # a write the client does not take within this
-        self.headers = SSE_HEADERS + [
+        self.headers = (SSE_HEADERS if base_headers is None else base_headers) + [
             (k.lower().encode(), v.encode()) for k, v in (headers or {}).items()
         ]
 
@@ -160,7 +161,7 @@ class SSEResponse:
 
         async def ping() -> None:
             # A separate timer, so the per-chunk path stays one plain await.
-            while True:
+            while self.ping_interval > 0:
                 # (A blocked send is not silence: the client is not taking it.)
                 wait = (
                     self.ping_interval if sending else last_sent + self.ping_interval - loop.time()

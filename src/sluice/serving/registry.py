@@ -302,6 +302,11 @@ class ModelRegistry:
             raise ModelNotFound(self._default)
         return spec
 
+    def find(self, name: str) -> ModelSpec | None:
+        """The spec a name or alias (any case) names, as last read: no rescan, no
+        default. Cheap enough to ask per request (the dispatcher does)."""
+        return self._index.get(name.lower())
+
     def known(self) -> list[ModelSpec]:
         """Every model that can be served, re-read so a new download shows up."""
         self._refresh()
