@@ -382,6 +382,16 @@ def test_sse_decoder_sees_whole_events_in_the_good_stream() -> None:
 @pytest.mark.parametrize("stream", [True, False])
 def test_local_model_answers_name_their_slot(stream: bool) -> None:
     with gateway([f"http://127.0.0.1:{free_port()}"], health_interval=60) as base:
-        r = post(base, stream=stream, model="scripted")
+        extra = {"stream_options": {"include_usage": True}} if stream else {}
+        r = post(base, stream=stream, model="scripted", **extra)
         assert r.status_code == 200
+        usage = parse_sse(r.content)[-2].json() if stream else r.json()
+        completion_tokens = usage["usage"]["completion_tokens"]
         assert r.headers["x-sluice-slot"] == "scripted"
+        # Measured on the same path as an upstream's: tokens out, one request, TTFT.
+        slot = httpx.get(f"{base}/v1/info").json()["slots"]["scripted"]
+        assert slot["kind"] == "local" and slot["requests"] == 1
+        assert slot["tokens_out"] == completion_tokens > 0
+        assert slot["ttft_ms"]["last"] is not None
+        health = httpx.get(f"{base}/health").json()
+        assert health["upstreams"]["up"]["status"] == "down"

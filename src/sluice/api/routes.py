@@ -352,6 +352,17 @@ async def health(request: Request) -> Response:
         models[status.name] = entry
     default = state.registry.resolve(None).name
     body: dict[str, Any] = {"status": "ok", "model": default, "models": models}
+    if state.dispatcher.upstreams:
+        body["upstreams"] = {
+            slot.name: {
+                "status": slot.pool.state(),
+                "replicas": {
+                    r.url: {"state": r.state, "outstanding": r.outstanding, "error": r.last_error}
+                    for r in slot.pool.status()
+                },
+            }
+            for slot in state.dispatcher.upstreams
+        }
     # The default model's figures at the top level, as before there were many models.
     for key in ("slots", "engine"):
         if key in models.get(default, {}):
