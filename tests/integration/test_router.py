@@ -35,21 +35,9 @@ from sluice.serving.metrics import Metrics
 from sluice.serving.upstream import UpstreamSlot
 
 from .helpers import QUIET, parse_sse, wait_idle
+from .test_tools import WEATHER
 
 pytestmark = pytest.mark.integration
-
-WEATHER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Get the weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-        },
-    },
-}
 
 
 class Relay:
@@ -210,7 +198,7 @@ def test_passthrough_streams_tool_calls_unchanged(base: str, gateway: str, relay
     body = _body(
         True,
         messages=[{"role": "user", "content": "What is the weather in Paris?"}],
-        tools=[WEATHER_TOOL],
+        tools=[WEATHER],
         tool_choice="required",
         max_tokens=40,
     )
@@ -309,7 +297,7 @@ def test_client_disconnect_closes_the_upstream_request(base: str, gateway: str) 
         {},
         {
             "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
-            "tools": [WEATHER_TOOL],
+            "tools": [WEATHER],
             "tool_choice": "required",
             "max_tokens": 40,
         },

@@ -125,7 +125,12 @@ class Dispatcher:
                     )
 
     def upstream(self, name: str | None) -> UpstreamTarget | None:
-        """The upstream target for ``name``, or None when a local model answers it."""
+        """The upstream target for ``name``, or None when a local model answers it.
+
+        Called from the parsing worker threads too: it only reads tables that are
+        replaced whole, never changed in place (the registry's name index, the
+        replicas' model tuples, the config's aliases).
+        """
         if name is None or not self.upstreams or self.registry.find(name) is not None:
             return None
         for slot in self.upstreams:
