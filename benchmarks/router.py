@@ -14,10 +14,10 @@
 
 Streaming chat completions, temperature 0, ``ignore_eos``, ``max_tokens`` 64 (--quick
 16), usage chunk; every stream a distinct conversation whose first token is new to the
-upstream's prefix cache (``Prompts``). A measurement is 8 streams: one after the other
-at concurrency 1, all at once at 8. Each round measures the three paths back to back at
-both concurrencies, the order rotated round by round; connections are opened before the
-clock; one blocking socket and thread per stream.
+upstream's prefix cache (``Prompts``). A measurement is 8 streams per path: one at a
+time at concurrency 1, all at once at 8, the paths taking turns wave by wave (order
+rotated round by round); connections are opened before the clock; one blocking socket
+and thread per stream.
 
 * TTFT = request sent -> first chunk with non-empty ``content``; p50/p95 over all
   streams of all rounds. Added TTFT = p50/p95 of paired differences (``summarize``).
@@ -172,9 +172,21 @@ def start_servers(tmp: Path, key: str, paths: tuple[str, ...]) -> dict[str, Proc
     return servers
 
 
-def upstream_tokens(up: Proc) -> int:
+def upstream_health(up: Proc) -> dict[str, Any]:
     with urllib.request.urlopen(f"http://127.0.0.1:{up.port}/health", timeout=10) as r:
-        return int(json.loads(r.read())["engine"]["tokens_generated"])
+        return json.loads(r.read())
+
+
+def settle(up: Proc) -> None:
+    """Wait until the upstream has no request left, then a little: the next request
+    starts on an idle upstream whichever path ended last (a stream's end reaches the
+    client sooner directly than through a gateway, with the upstream still busy)."""
+    deadline = time.monotonic() + 30
+    while (slots := upstream_health(up)["slots"])["active"] or slots["queued"]:
+        if time.monotonic() > deadline:
+            sys.exit(f"router: the upstream stays busy: {slots}")
+        time.sleep(0.01)
+    time.sleep(0.05)
 
 
 class Prompts:
@@ -278,34 +290,45 @@ def wave(port: int, reqs: list[bytes]) -> list[Any]:
     return results
 
 
-def measure(srv: Proc, path: str, conc: int, prompts: Prompts, shape0: int, args: Any) -> dict:
-    """STREAMS streams in waves of ``conc``: TTFTs, tokens, wall time, router CPU."""
-    convs = [prompts.conversation(shape0 + i) for i in range(STREAMS)]
-    reqs = [request(path, srv.port, args.key, c, args.tokens) for c in convs]
-    cpu0, wall, results = bench.proc_cpu_seconds(srv.proc.pid), 0.0, []
+def measure(
+    servers: dict[str, Proc], order: tuple, conc: int, prompts: Prompts, shape0: int, args: Any
+) -> dict:
+    """STREAMS streams per path in waves of ``conc``, the paths taking turns wave by wave
+    (so that drift hits them alike) with the same prompt shapes: TTFTs (in wave order),
+    tokens, wall time, the gateway's CPU time."""
+    out = {}
+    for p in order:
+        convs = [prompts.conversation(shape0 + i) for i in range(STREAMS)]
+        reqs = [request(p, servers[p].port, args.key, c, args.tokens) for c in convs]
+        out[p] = {"reqs": reqs, "results": [], "wall_s": 0.0, "cpu_s": 0.0}
     for i in range(0, STREAMS, conc):
-        got = wave(srv.port, reqs[i : i + conc])
-        wall += max(r.t_done for r in got) - min(r.t_send for r in got)
-        results += got
-    cpu = bench.proc_cpu_seconds(srv.proc.pid) - cpu0
-    usage = []
-    for r in results:
-        u = bench.parse_sse(r)["usage"] or {}
-        if not r.raw.startswith(b"HTTP/1.1 200") or not r.t_first or not r.t_done:
-            sys.exit(f"router: a {path} stream failed: {bytes(r.raw[:600])!r}")
-        if u.get("completion_tokens") != args.tokens:
-            sys.exit(f"router: {path}: expected {args.tokens} tokens, got usage {u}")
-        usage.append(
-            [u["prompt_tokens"], (u.get("prompt_tokens_details") or {}).get("cached_tokens")]
-        )
-    return {
-        "ttft_s": [r.t_first - r.t_send for r in results],
-        "tokens": STREAMS * args.tokens,
-        "wall_s": wall,
-        "tok_s": STREAMS * args.tokens / wall,
-        "router_cpu_s": cpu if path != "direct" else None,
-        "prompt_and_cached_tokens": usage,
-    }
+        for p in order:
+            srv, m = servers[p], out[p]
+            settle(servers["direct"])
+            cpu0 = bench.proc_cpu_seconds(srv.proc.pid)
+            got = wave(srv.port, m["reqs"][i : i + conc])
+            m["cpu_s"] += bench.proc_cpu_seconds(srv.proc.pid) - cpu0
+            m["wall_s"] += max(r.t_done for r in got) - min(r.t_send for r in got)
+            m["results"] += got
+    for p, m in out.items():
+        usage = []
+        for r in m["results"]:
+            u = bench.parse_sse(r)["usage"] or {}
+            if not r.raw.startswith(b"HTTP/1.1 200") or not r.t_first or not r.t_done:
+                sys.exit(f"router: a {p} stream failed: {bytes(r.raw[:600])!r}")
+            if u.get("completion_tokens") != args.tokens:
+                sys.exit(f"router: {p}: expected {args.tokens} tokens, got usage {u}")
+            details = u.get("prompt_tokens_details") or {}
+            usage.append([u["prompt_tokens"], details.get("cached_tokens")])
+        out[p] = {
+            "ttft_s": [r.t_first - r.t_send for r in m["results"]],
+            "tokens": STREAMS * args.tokens,
+            "wall_s": m["wall_s"],
+            "tok_s": STREAMS * args.tokens / m["wall_s"],
+            "router_cpu_s": m["cpu_s"] if p != "direct" else None,
+            "prompt_and_cached_tokens": usage,
+        }
+    return out
 
 
 # --- identical bytes ---------------------------------------------------------------------
@@ -361,9 +384,11 @@ def identity_check(servers: dict[str, Proc], conv: list[dict], args: Any) -> dic
     ref = ask("direct")
     out = {"control_direct_again": compare(ref, ask("direct"))}
     for path in [p for p in servers if p != "direct"]:
-        before = upstream_tokens(servers["direct"])
+        before = upstream_health(servers["direct"])["engine"]["tokens_generated"]
         out[path] = compare(ref, ask(path))
-        out[path]["upstream_generated"] = upstream_tokens(servers["direct"]) - before
+        out[path]["upstream_generated"] = (
+            upstream_health(servers["direct"])["engine"]["tokens_generated"] - before
+        )
     return out
 
 
@@ -391,8 +416,7 @@ def run_rounds(servers: dict[str, Proc], prompts: Prompts, args: Any) -> tuple[d
     runs: dict[str, dict[str, list[dict]]] = {str(c): {p: [] for p in paths} for c in LEVELS}
     checks: list[str] = []
     for conc in LEVELS:  # warm-up: connections, pools, first-request code paths
-        for path in paths:
-            measure(servers[path], path, conc, prompts, 0, args)
+        measure(servers, paths, conc, prompts, 0, args)
     noise = bench.Noise([s.proc.pid for s in servers.values()])
     for rnd in range(args.rounds):
         order = paths[rnd % len(paths) :] + paths[: rnd % len(paths)]
@@ -402,23 +426,22 @@ def run_rounds(servers: dict[str, Proc], prompts: Prompts, args: Any) -> tuple[d
                 # One untimed request first: no path pays for waking the idle upstream.
                 up, conv = servers["direct"], prompts.conversation(0)
                 wave(up.port, [request("direct", up.port, args.key, conv, 1)])
-                group = {}
-                for path in order:
-                    noise.start()
-                    m = measure(servers[path], path, conc, prompts, rnd * STREAMS, args)
-                    group[path] = {**m, "foreign_cores": noise.stop(), "round": rnd + 1}
+                noise.start()
+                group = measure(servers, order, conc, prompts, rnd * STREAMS, args)
+                foreign = noise.stop()
+                for path, m in group.items():
+                    m.update(foreign_cores=foreign, round=rnd + 1)
                     print(
                         f"  round {rnd + 1}/{args.rounds} streams={conc} {path:7s} TTFT p50 "
-                        f"{bench.med(m['ttft_s']) * 1000:6.1f} ms {m['tok_s']:6.1f} tok/s "
-                        f"(others used {group[path]['foreign_cores']:.2f} cores)",
+                        f"{bench.med(m['ttft_s']) * 1000:6.1f} ms {m['tok_s']:6.1f} tok/s",
                         flush=True,
                     )
-                worst = max(m["foreign_cores"] for m in group.values())
-                if worst <= args.quiet or attempt == args.max_retries:
+                print(f"  (others used {foreign:.2f} cores)", flush=True)
+                if foreign <= args.quiet or attempt == args.max_retries:
                     break
-                print(f"  (others used {worst:.2f} cores: measuring the group again)")
-            if worst > args.quiet:
-                checks.append(f"round {rnd + 1} streams={conc}: kept at {worst:.2f} cores")
+                print("  (measuring the group again)")
+            if foreign > args.quiet:
+                checks.append(f"round {rnd + 1} streams={conc}: kept at {foreign:.2f} cores")
             # The same prompt lengths on every path, no reuse beyond the template's opening.
             usage = {p: m["prompt_and_cached_tokens"] for p, m in group.items()}
             lengths = [[u[0] for u in us] for us in usage.values()]
@@ -432,25 +455,27 @@ def run_rounds(servers: dict[str, Proc], prompts: Prompts, args: Any) -> tuple[d
     return runs, checks
 
 
-def ci95(diffs: list[float], n: int = 2000) -> list[float]:
-    """Bootstrap 95% interval of the median of ``diffs``, in ms."""
-    rng = random.Random(0)
-    meds = sorted(bench.med(rng.choices(diffs, k=len(diffs))) for _ in range(n))
+def ci95(rounds: list[list[float]], n: int = 2000) -> list[float]:
+    """Bootstrap 95% interval (rounds resampled whole) of the median difference, in ms."""
+    rng, meds = random.Random(0), []
+    for _ in range(n):
+        meds.append(bench.med([d for r in rng.choices(rounds, k=len(rounds)) for d in r]))
+    meds.sort()
     return [1000 * meds[int(0.025 * n)], 1000 * meds[int(0.975 * n)]]
 
 
 def summarize(runs: dict[str, dict[str, list[dict]]]) -> dict[str, Any]:
     """Per concurrency and path: TTFT percentiles, added TTFT, throughput and its ratio.
 
-    Added TTFT pairs the streams of a round by rank (the k-th fastest stream of the path
-    minus the k-th fastest of direct in the same round: per round, a difference of
-    percentiles); p50/p95 are over all those paired differences. At 8 streams the TTFTs
-    form clusters (the upstream admits the requests in groups), which rank pairing keeps
-    apart where a pooled percentile would jump between them.
+    Added TTFT pairs streams of the same wave index by rank (at 1 stream: the stream of
+    the path minus direct's, same prompt shape, measured back to back; at 8: the k-th
+    fastest minus the k-th fastest, since the upstream admits 8 requests in groups and
+    their TTFTs form clusters that a pooled percentile would jump between); p50 and p95
+    are over all these paired differences, the CI resamples whole rounds.
     """
     med, pct, out = bench.med, bench.pct, {}
     for conc, by_path in runs.items():
-        d = by_path["direct"]
+        d, k = by_path["direct"], int(conc)
         rows: dict[str, Any] = {}
         for path, ms in by_path.items():
             ttft = [t for m in ms for t in m["ttft_s"]]
@@ -463,13 +488,17 @@ def summarize(runs: dict[str, dict[str, list[dict]]]) -> dict[str, Any]:
             }
             if path == "direct":
                 continue
-            diffs = [
-                a - b
+            per_round = [
+                [
+                    a - b
+                    for w in range(0, STREAMS, k)
+                    for a, b in zip(sorted(m["ttft_s"][w : w + k]), sorted(x["ttft_s"][w : w + k]))
+                ]
                 for m, x in zip(ms, d)
-                for a, b in zip(sorted(m["ttft_s"]), sorted(x["ttft_s"]))
             ]
+            diffs = [x for r_ in per_round for x in r_]
             r["added_ttft_p50_ms"] = pct(diffs, 50) * 1000
-            r["added_ttft_p50_ci95_ms"] = ci95(diffs)
+            r["added_ttft_p50_ci95_ms"] = ci95(per_round)
             r["added_ttft_p95_ms"] = pct(diffs, 95) * 1000
             r["ttft_p50_minus_direct_ms"] = r["ttft_p50_ms"] - rows["direct"]["ttft_p50_ms"]
             r["ratio"] = r["tok_s"] / rows["direct"]["tok_s"]
@@ -543,11 +572,15 @@ def write_report(res: dict[str, Any], out_dir: Path) -> None:
         + (f"Note: {st['note']}\n\n" if st["note"] else "")
         + table(summary, markdown=True)
         + "\n\nTTFT = request sent -> first chunk with content; p50/p95 over all streams of "
-        "all rounds. added = paired differences: in each round the k-th fastest stream of the "
-        "path minus the k-th fastest of direct; their p50 (95% CI: bootstrap) and p95. "
+        "all rounds. added = paired differences (1 stream: path minus direct, same prompt shape, "
+        "back to back; 8: the k-th fastest of a wave minus the k-th fastest of direct's); "
+        "their p50 (95% CI: bootstrap over rounds) and p95. "
         "p50 - direct p50 = difference of the pooled percentiles. tok/s = completion tokens / "
         "wall time, median over rounds; x direct = ratio of medians; paired x = median of "
-        "per-round ratios. Router CPU = the gateway process's CPU time per 1000 tokens.\n\n"
+        "per-round ratios. Router CPU = the gateway process's CPU time per 1000 tokens. At 8 "
+        "streams the upstream admits the requests in groups that change from wave to wave "
+        "(1+3+3+1, 2+3+3, all 8 at once, ...), which moves TTFTs by hundreds of ms: the added "
+        "TTFT at 8 streams measures that more than the router (see runs in the JSON).\n\n"
         "Identical bytes (same request, temperature 0, seed 42, after a warm-up):\n\n"
         + "".join(f"- {line}\n" for line in ident_lines(ident))
         + "\nTargets (sluice, at 1 and 8 streams): "
