@@ -97,6 +97,15 @@ class JobNotFound(NotFound):
     """No download job with this id."""
 
 
+class ConversationNotFound(NotFound):
+    """No conversation with this id for this caller (another key's is not found either)."""
+
+    def __init__(self, conversation_id: str) -> None:
+        super().__init__(
+            f"No conversation '{conversation_id}' was found.", param="conversation_id"
+        )
+
+
 class ServerBusy(SluiceError):
     """All slots and the queue are full: retry later."""
 
@@ -204,6 +213,7 @@ _TABLE: dict[type[SluiceError], ErrorSpec] = {
     ModelNotFound: ErrorSpec(404, "invalid_request_error", "model_not_found"),
     NotFound: ErrorSpec(404, "invalid_request_error", "not_found"),
     JobNotFound: ErrorSpec(404, "invalid_request_error", "job_not_found"),
+    ConversationNotFound: ErrorSpec(404, "invalid_request_error", "conversation_not_found"),
     ServerBusy: ErrorSpec(503, "server_error", "server_busy"),
     ShuttingDown: ErrorSpec(503, "server_error", "shutting_down"),
     EngineFailure: ErrorSpec(500, "server_error", "engine_error"),
