@@ -8,7 +8,7 @@ import sys
 from dataclasses import fields
 
 from sluice.catalog import PACKAGED
-from sluice.config import Settings, default_models_dir
+from sluice.config import Settings, default_models_dir, default_store_path
 
 
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -69,6 +69,11 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--config",
         help="TOML file with [[models]] (name, source, aliases, ctx, ...) and [[upstreams]] "
         "(name, urls, api_key_env, models, aliases, timeout): see the README",
+    )
+    mm.add_argument(
+        "--store",
+        help="SQLite file of the conversations (/c1) and stored responses "
+        f"(default: {default_store_path()})",
     )
     mm.add_argument(
         "--max-loaded-models",

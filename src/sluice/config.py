@@ -29,6 +29,8 @@ class Settings:
     max_loaded_models: int = 4  # least recently used idle model unloads to make room
     model_ttl: float = 3600.0  # seconds an idle model stays loaded; 0: until unloaded
     memory_budget_mb: int = 0  # weights + KV cache of all loaded models; 0: 90% of RAM
+    # conversations (/c1) and stored responses: a SQLite file; None: default_store_path()
+    store: str | None = None
     # engine
     parallel: int = 4
     ctx: int = 4096  # tokens per sequence
@@ -82,6 +84,13 @@ def default_models_dir() -> Path:
     """Where models live when ``--models-dir`` is not given: ``$XDG_DATA_HOME/sluice/models``."""
     base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return Path(base) / "sluice" / "models"
+
+
+def default_store_path() -> Path:
+    """The conversations' database when ``--store`` is not given:
+    ``$XDG_DATA_HOME/sluice/sluice.db``."""
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "sluice" / "sluice.db"
 
 
 def _parse(name: str, type_name: Any, raw: str) -> Any:
