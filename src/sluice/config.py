@@ -42,6 +42,7 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8080
     api_key: str | None = None
+    api_keys: str | None = None  # SLUICE_API_KEYS="name:key,...": named keys (api/keys.py)
     max_body_bytes: int = 8 * 1024 * 1024
     ping_interval: float = 10.0
     log_level: str = "info"

@@ -9,29 +9,26 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import hmac
 import logging
 import os
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sluice import catalog
 from sluice.api import info, lmstudio, metrics, routes
+from sluice.api.keys import ApiKeys, BearerAuth, names_line
 from sluice.api.sse import error_response
 from sluice.catalog import ModelSpec
 from sluice.config import Settings, default_models_dir
 from sluice.engine.runner import ModelRunner
 from sluice.errors import (
-    AuthenticationFailed,
     InternalError,
     InvalidRequest,
     NotFound,
@@ -245,31 +242,8 @@ def create_app(
             Exception: on_unexpected,
         },
     )
-    if settings.api_key:
-        return BearerAuth(app, settings.api_key)  # type: ignore[return-value]
+    keys = ApiKeys.from_settings(settings)
+    log.info(names_line(keys.names))
+    if keys:
+        return BearerAuth(app, keys)  # type: ignore[return-value]
     return app
-
-
-class BearerAuth:
-    """Requires ``Authorization: Bearer <key>`` on every route but ``/health``."""
-
-    def __init__(self, app: ASGIApp, key: str) -> None:
-        self.app = app
-        self.key = key
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.app, name)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health":
-            headers = dict(scope["headers"])
-            auth = headers.get(b"authorization", b"").decode("latin-1")
-            scheme, _, token = auth.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), self.key):
-                resp = error_response(
-                    AuthenticationFailed("Missing or invalid API key (Authorization: Bearer ...).")
-                )
-                resp.headers["WWW-Authenticate"] = "Bearer"
-                await resp(scope, receive, send)
-                return
-        await self.app(scope, receive, send)

@@ -44,7 +44,7 @@ from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping
 from typing import Any, Literal
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -105,6 +105,16 @@ class Metrics:
             registry=self.registry,
         )
         self.registry.register(_SlotCollector(self._slots))
+        self._by_key = Counter(
+            "sluice_requests_by_key",
+            "Requests that passed the API key check, by the key's name.",
+            ["key"],
+            registry=self.registry,
+        )
+
+    def count_key(self, name: str) -> None:
+        """One request authenticated with the key named ``name`` (api/keys.py)."""
+        self._by_key.labels(key=name).inc()
 
     def slot(self, name: str, kind: SlotKind) -> SlotMetrics:
         """The slot's metrics, created on first use (a later ``kind`` wins: a slot
