@@ -38,7 +38,9 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     p.add_argument(
         "--api-key",
-        help="require 'Authorization: Bearer <key>' on every route but /health (default: none)",
+        help="require 'Authorization: Bearer <key>' on every route but /health; this key is "
+        "named 'default'; more named keys: SLUICE_API_KEYS='name:key,...' or the config "
+        "file's [keys] table (default: none)",
     )
     p.add_argument("--chat-template", help="Jinja chat template file overriding the model's own")
     p.add_argument(
@@ -67,8 +69,9 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     mm.add_argument(
         "--config",
-        help="TOML file with [[models]] (name, source, aliases, ctx, ...) and [[upstreams]] "
-        "(name, urls, api_key_env, models, aliases, timeout): see the README",
+        help="TOML file with [[models]] (name, source, aliases, ctx, ...), [[upstreams]] "
+        "(name, urls, api_key_env, models, aliases, timeout) and [keys] "
+        '(name = "key" or name = { env = "VAR" }): see the README',
     )
     mm.add_argument(
         "--store",
@@ -217,7 +220,11 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    app = create_app(settings)
+    try:
+        app = create_app(settings)
+    except ValueError as exc:  # a bad API key (ConfigError): say so, no traceback
+        print(f"sluice: {exc}", file=sys.stderr)
+        return 2
 
     def state() -> ServerState | None:
         return getattr(app.state, "sluice", None)

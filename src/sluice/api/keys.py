@@ -87,7 +87,7 @@ class ApiKeys:
             # --api-key predates the length rule: a short one still starts, with a warning.
             if len(settings.api_key) < MIN_KEY_LENGTH:
                 log.warning("--api-key is shorter than %d characters", MIN_KEY_LENGTH)
-            found.append(("--api-key", DEFAULT_NAME, settings.api_key, 1))
+            found.append(("--api-key/SLUICE_API_KEY", DEFAULT_NAME, settings.api_key, 1))
         if settings.api_keys:
             parsed = parse_env_keys(settings.api_keys)
             found += [(ENV_KEYS, n, k, MIN_KEY_LENGTH) for n, k in parsed.items()]
