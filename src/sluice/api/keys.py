@@ -185,6 +185,12 @@ def key_name(raw_request: Request) -> str:
     return str(raw_request.scope.get("state", {}).get(STATE_KEY, ""))
 
 
+def names_line(names: Iterable[str]) -> str:
+    """The startup log's words for the keys: names only, never the keys."""
+    listed = ", ".join(names)
+    return f"API keys: {listed}" if listed else "API keys: none (every route is open)"
+
+
 class BearerAuth:
     """Requires ``Authorization: Bearer <key>`` on every route but ``/health``.
 
@@ -294,9 +300,3 @@ def _check_key(source: str, name: str, key: Any, minimum: int = MIN_KEY_LENGTH) 
 
 def _kind(value: Any) -> str:
     return describe_value(value).split(" (")[0]  # the type's words, not the value
-
-
-def names_line(names: Iterable[str]) -> str:
-    """The startup log's words for the keys: names only, never the keys."""
-    listed = ", ".join(names)
-    return f"API keys: {listed}" if listed else "API keys: none (every route is open)"
