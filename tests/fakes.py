@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,6 +94,8 @@ class ScriptedRunner:
         self.history: dict[int, list[int]] = {}
         self.decodes: list[list[BatchEntry]] = []
         self.moves: list[tuple[int, int]] = []
+        self.saves: list[tuple[int, list[int]]] = []  # (seq, tokens) per save_seq
+        self.loads: list[tuple[int, list[int]]] = []  # (seq, tokens) per load_seq
         self.samplers: list[FakeSampler] = []
         self._rows: dict[int, int] = {}
         self._fail_next = False
@@ -146,6 +149,18 @@ class ScriptedRunner:
     def move_sequence(self, src: int, dst: int) -> None:
         self.moves.append((src, dst))
         self.history[dst] = self.history.pop(src, [])
+
+    def save_seq(self, seq: int) -> bytearray:
+        """The sequence's history as int32s: what load_seq puts back."""
+        hist = list(self.history.get(seq, []))
+        self.saves.append((seq, hist))
+        return bytearray(array("i", hist).tobytes())
+
+    def load_seq(self, seq: int, data: bytearray) -> int:
+        hist = array("i", bytes(data)).tolist()
+        self.loads.append((seq, hist))
+        self.history[seq] = hist
+        return len(hist)
 
     def decode(self, entries: list[BatchEntry]) -> None:
         if self.step_delay:

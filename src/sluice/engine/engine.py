@@ -29,6 +29,13 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from sluice.engine.prompt_cache import (
+    MIN_TOKENS,
+    RESTORE_RATIO,
+    CacheEntry,
+    PromptCache,
+    common_prefix,
+)
 from sluice.engine.runner import BatchEntry, DecodeError, ModelRunner, Sampler
 from sluice.engine.scheduler import Planned, SlotView, plan_batch
 from sluice.engine.text import Ready, SequenceText, Utf8Assembler
@@ -67,6 +74,10 @@ class EngineConfig:
     # (a client that is not reading); past it, its sequences are not decoded
     # until the consumer has taken half of it.
     stream_buffer: int = 256
+    # RAM for the KV states of prompts whose slot was taken (see prompt_cache);
+    # 0 turns the prompt cache off.
+    cache_ram_bytes: int = 0
+    cache_min_tokens: int = MIN_TOKENS  # shorter sequences are not saved
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +95,9 @@ class EngineStats:
     prompt_tokens_processed: int
     cached_tokens: int
     paused: int = 0  # sequences in slots waiting for their client to read (backpressure)
+    prompt_cache_entries: int = 0  # saved prompt states in RAM
+    prompt_cache_bytes: int = 0
+    prompt_cache_hits: int = 0  # restores into a slot
 
 
 @dataclass(slots=True)
@@ -173,6 +187,7 @@ class Engine:
         self._buffer = max(1, config.stream_buffer)
         self._resume_at = self._buffer // 2
         self._paused = 0  # works in slots with paused set
+        self._cache = PromptCache(config.cache_ram_bytes, config.cache_min_tokens)
         self.stats = self._snapshot()
 
     # -- public API, any thread ---------------------------------------------
@@ -323,21 +338,42 @@ class Engine:
                 self._free_slot(slot)
 
     def _admit(self) -> None:
-        """Move waiting work into idle slots."""
+        """Move waiting work into idle slots, reusing the longest cached prefix.
+
+        The prefix comes from the idle slot that shares most with the prompt,
+        or from the RAM prompt cache when an entry there shares enough more to
+        be worth restoring (see prompt_cache.RESTORE_RATIO).
+        """
         while self._waiting:
             idle = [s for s in self._slots if s.state is SlotState.IDLE]
             if not idle:
                 break
             work = self._waiting.popleft()
             prompt = work.req.prompt_tokens
-            slot = max(idle, key=lambda s: (_common_prefix(s.cache, prompt), -len(s.cache)))
-            # Reuse the cached prefix, but always leave at least one prompt token
-            # to decode: its logits give the first sampled token.
-            want = (
-                0
-                if (work.req.echo and work.req.logprobs is not None)
-                else min(_common_prefix(slot.cache, prompt), len(prompt) - 1)
-            )
+            # Reuse a cached prefix, but always leave at least one prompt token to
+            # decode: its logits give the first sampled token. Echo with logprobs
+            # needs every prompt token's logits: nothing is reused.
+            limit = 0 if (work.req.echo and work.req.logprobs is not None) else len(prompt) - 1
+            # 1. The idle slot with the longest common prefix (ties: the least to lose).
+            slot = max(idle, key=lambda s: (common_prefix(s.cache, prompt), -len(s.cache)))
+            want = min(common_prefix(slot.cache, prompt), limit)
+            # 2. A RAM entry that beats it by enough goes into the idle slot whose
+            #    cache is the least to lose.
+            hit = self._cache.best(prompt) if limit and self._cache.enabled else None
+            restore = None
+            if hit is not None:
+                gain = min(hit[1], limit) - want
+                if gain >= self._cache.min_tokens and gain * RESTORE_RATIO >= len(hit[0].tokens):
+                    restore = hit[0]
+                    slot = min(idle, key=lambda s: len(s.cache))
+                    want = min(hit[1], limit)
+            # 3. What the slot held beyond the kept prefix is about to go: save it first.
+            if restore is not None or want < len(slot.cache):
+                self._save(slot)
+            # 4. Restore the entry's state, then trim it (or the slot's own cache) to
+            #    the common prefix.
+            if restore is not None:
+                want = min(want, self._restore(slot, restore))
             kept = self.runner.keep_prefix(slot.seq, want)
             slot.cache = prompt[:kept]
             work.prompt_done = work.cached = kept
@@ -350,6 +386,46 @@ class Engine:
             _deliver(
                 work.sink, [Progress(work.req.choice, "prompt_processing", kept, len(prompt), kept)]
             )
+
+    def _save(self, slot: _Slot) -> None:
+        """Keep an idle slot's KV state in the prompt cache before it is overwritten."""
+        if not self._cache.wants(slot.cache):
+            return
+        started = time.perf_counter()
+        state = self.runner.save_seq(slot.seq)
+        if state:
+            self._cache.put(slot.cache, state)
+            log.debug(
+                "prompt cache: saved %d tokens (%.1f MiB) in %.1f ms; %d entries, %.0f MiB",
+                len(slot.cache),
+                len(state) / 2**20,
+                (time.perf_counter() - started) * 1000,
+                len(self._cache),
+                self._cache.size_bytes / 2**20,
+            )
+
+    def _restore(self, slot: _Slot, entry: CacheEntry) -> int:
+        """Load a prompt cache entry into a slot's sequence; how many tokens it now holds."""
+        started = time.perf_counter()
+        loaded = self.runner.load_seq(slot.seq, entry.state)
+        if loaded != len(entry.tokens):
+            log.warning(
+                "prompt cache: restoring %d tokens into sequence %d failed (got %d); dropped",
+                len(entry.tokens),
+                slot.seq,
+                loaded,
+            )
+            self._cache.discard(entry)
+            self.runner.keep_prefix(slot.seq, 0)
+            return 0
+        self._cache.used(entry)
+        log.debug(
+            "prompt cache: restored %d tokens into sequence %d in %.1f ms",
+            loaded,
+            slot.seq,
+            (time.perf_counter() - started) * 1000,
+        )
+        return loaded
 
     def _compact(self) -> None:
         """Move the highest active sequence into the lowest idle slot, until dense.
@@ -368,6 +444,7 @@ class Engine:
             if not idle or not busy or idle[0].seq > busy[-1].seq:
                 return
             dst, src = idle[0], busy[-1]
+            self._save(dst)  # the move overwrites what the idle slot held
             self.runner.move_sequence(src.seq, dst.seq)
             dst.state, dst.cache, dst.work = src.state, src.cache, src.work
             src.state, src.cache, src.work = SlotState.IDLE, [], None
@@ -617,15 +694,10 @@ class Engine:
             prompt_tokens_processed=self._counters["prompt"],
             cached_tokens=self._counters["cached"],
             paused=self._paused,
+            prompt_cache_entries=len(self._cache),
+            prompt_cache_bytes=self._cache.size_bytes,
+            prompt_cache_hits=self._cache.hits,
         )
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def _deliver(sink: EventSink, events: list[Event]) -> None:

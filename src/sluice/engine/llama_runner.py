@@ -223,6 +223,11 @@ class LlamaRunnerConfig:
     chat_template: str | None = None  # overrides the GGUF's own
 
 
+def _c_bytes(data: bytearray) -> Any:
+    """A ``uint8_t *`` view of a bytearray's own memory (no copy)."""
+    return (ctypes.c_uint8 * len(data)).from_buffer(data)
+
+
 class _Chain:
     """A sampler chain handle (a pointer owned by llama.cpp)."""
 
@@ -248,6 +253,11 @@ class LlamaRunner:
         self.n_seq_max = int(L.llama_n_seq_max(ctx))
         self.n_batch = int(L.llama_n_batch(ctx))
         self.dense_sequences = True  # per-sequence KV streams: see Engine._compact
+        # Sequences a move touched since the last decode. A move across KV streams
+        # copies the cells' tensors only at the next decode (llama_memory_seq_cp), and
+        # llama.cpp's state save/restore does not apply pending copies: a save would read
+        # the stream before the copy, and a restore would be overwritten by it.
+        self._unsettled: set[int] = set()
         self._batch = L.llama_batch_init(self.n_batch, 0, 1)
         self._piece_buf = ctypes.create_string_buffer(_PIECE_BUF)
         self._pieces: dict[int, bytes] = {}
@@ -544,6 +554,38 @@ class LlamaRunner:
         L.llama_memory_seq_rm(self._mem, dst, -1, -1)
         L.llama_memory_seq_cp(self._mem, src, dst, -1, -1)  # across streams: copied at next decode
         L.llama_memory_seq_rm(self._mem, src, -1, -1)
+        self._unsettled.update((src, dst))
+
+    def save_seq(self, seq: int) -> bytearray:
+        """llama.cpp's per-sequence state (flags 0: the whole KV of the sequence).
+
+        With per-sequence KV streams (``kv_unified=False``) the state holds the
+        cells of that sequence's stream only (positions, then each layer's K and
+        V rows), and :meth:`load_seq` can put it into any other sequence's stream.
+        llama.cpp writes straight into the returned buffer: a second copy of tens
+        of MiB would double the cost of a save.
+        """
+        if seq in self._unsettled:
+            return bytearray()
+        L = self._L
+        size = int(L.llama_state_seq_get_size(self._ctx, seq))
+        if size == 0:
+            return bytearray()
+        data = bytearray(size)
+        n = int(L.llama_state_seq_get_data(self._ctx, _c_bytes(data), size, seq))
+        if n != size:
+            return bytearray()
+        return data
+
+    def load_seq(self, seq: int, data: bytearray) -> int:
+        L = self._L
+        if seq in self._unsettled or not data:
+            L.llama_memory_seq_rm(self._mem, seq, -1, -1)
+            return 0
+        if not L.llama_state_seq_set_data(self._ctx, _c_bytes(data), len(data), seq):
+            L.llama_memory_seq_rm(self._mem, seq, -1, -1)
+            return 0
+        return int(L.llama_memory_seq_pos_max(self._mem, seq)) + 1
 
     def decode(self, entries: list[BatchEntry]) -> None:
         batch = self._batch
@@ -571,6 +613,7 @@ class LlamaRunner:
         rc = self._L.llama_decode(self._ctx, batch)
         if rc != 0:
             raise DecodeError(f"llama_decode returned {rc}")
+        self._unsettled.clear()  # the decode applied the pending stream copies
 
     def sample(self, sampler: Any, row: int) -> int:
         return int(self._L.llama_sampler_sample(sampler.ptr, self._ctx, row))

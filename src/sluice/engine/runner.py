@@ -51,7 +51,8 @@ class ModelRunner(Protocol):
     """Everything the engine loop needs from a model.
 
     Only the engine thread calls :meth:`decode`, :meth:`sample`,
-    :meth:`logprobs` and :meth:`keep_prefix`; ``tokenize``, ``token_bytes``
+    :meth:`logprobs`, :meth:`keep_prefix`, :meth:`move_sequence`,
+    :meth:`save_seq` and :meth:`load_seq`; ``tokenize``, ``token_bytes``
     and ``new_sampler`` read immutable model data and are safe from any thread.
     """
 
@@ -84,6 +85,22 @@ class ModelRunner(Protocol):
 
     def move_sequence(self, src: int, dst: int) -> None:
         """Move a sequence's whole KV cache to another (empty) sequence id."""
+        ...
+
+    def save_seq(self, seq: int) -> bytearray:
+        """A sequence's KV cache as bytes, for :meth:`load_seq` into any sequence id later.
+
+        Empty when it cannot be saved right now (a move onto or off it is still
+        pending): the caller then keeps nothing.
+        """
+        ...
+
+    def load_seq(self, seq: int, data: bytearray) -> int:
+        """Replace a sequence's KV cache with one :meth:`save_seq` returned.
+
+        Returns how many positions the sequence now holds; 0 when the state
+        could not be restored (the sequence is then empty).
+        """
         ...
 
     def decode(self, entries: list[BatchEntry]) -> None:
