@@ -73,6 +73,7 @@ class ScriptedRunner:
     dense_sequences: bool = True  # the engine compacts active sequences onto low ids
     control_texts: tuple[str, ...] = ("<|im_start|>", "<|im_end|>")
     max_piece_bytes: int = 64
+    state_bytes_per_token: int = 4  # size of a saved state, like a real KV's (>= 4)
 
     def __post_init__(self) -> None:
         self.info = ModelInfo(
@@ -151,13 +152,16 @@ class ScriptedRunner:
         self.history[dst] = self.history.pop(src, [])
 
     def save_seq(self, seq: int) -> bytearray:
-        """The sequence's history as int32s: what load_seq puts back."""
+        """The sequence's history (a count, then int32 tokens), padded to
+        ``state_bytes_per_token`` per token: what load_seq puts back."""
         hist = list(self.history.get(seq, []))
         self.saves.append((seq, hist))
-        return bytearray(array("i", hist).tobytes())
+        data = bytearray(array("i", [len(hist), *hist]).tobytes())
+        return data.ljust(max(len(data), len(hist) * self.state_bytes_per_token), b"\0")
 
     def load_seq(self, seq: int, data: bytearray) -> int:
-        hist = array("i", bytes(data)).tolist()
+        n = array("i", bytes(data[:4]))[0]
+        hist = array("i", bytes(data[4 : 4 + 4 * n])).tolist()
         self.loads.append((seq, hist))
         self.history[seq] = hist
         return len(hist)

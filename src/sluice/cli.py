@@ -37,6 +37,13 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--queue", type=int, help=f"requests that may wait for a slot (default: {d.queue})"
     )
     p.add_argument(
+        "--cache-ram",
+        dest="cache_ram_mb",
+        type=int,
+        help="MiB of RAM per loaded model for the KV state of recent prompts, restored when "
+        f"a prompt comes back after its slot was reused; 0: off (default: {d.cache_ram_mb})",
+    )
+    p.add_argument(
         "--api-key",
         help="require 'Authorization: Bearer <key>' on every route but /health; this key is "
         "named 'default'; more named keys: SLUICE_API_KEYS='name:key,...' or the config "

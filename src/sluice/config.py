@@ -38,6 +38,9 @@ class Settings:
     threads: int = 0  # 0: all cores
     queue: int = 16
     default_max_tokens: int | None = None
+    # RAM per loaded model for the KV state of prompts whose slot was reused (llama-server's
+    # --cache-ram); 0: off. 2 GiB holds ~60 prompts of 1500 tokens of SmolLM2-135M.
+    cache_ram_mb: int = 2048
     # http
     host: str = "127.0.0.1"
     port: int = 8080

@@ -97,7 +97,7 @@ class EngineStats:
     paused: int = 0  # sequences in slots waiting for their client to read (backpressure)
     prompt_cache_entries: int = 0  # saved prompt states in RAM
     prompt_cache_bytes: int = 0
-    prompt_cache_hits: int = 0  # restores into a slot
+    prompt_cache_hits: int = 0  # entries restored into a slot
 
 
 @dataclass(slots=True)
@@ -365,6 +365,7 @@ class Engine:
                 gain = min(hit[1], limit) - want
                 if gain >= self._cache.min_tokens and gain * RESTORE_RATIO >= len(hit[0].tokens):
                     restore = hit[0]
+                    self._cache.used(restore)  # most recent now: the save below cannot evict it
                     slot = min(idle, key=lambda s: len(s.cache))
                     want = min(hit[1], limit)
             # 3. What the slot held beyond the kept prefix is about to go: save it first.
@@ -418,7 +419,6 @@ class Engine:
             self._cache.discard(entry)
             self.runner.keep_prefix(slot.seq, 0)
             return 0
-        self._cache.used(entry)
         log.debug(
             "prompt cache: restored %d tokens into sequence %d in %.1f ms",
             loaded,

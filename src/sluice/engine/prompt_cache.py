@@ -18,8 +18,9 @@ Example::
     if cache.wants(tokens):
         cache.put(tokens, runner.save_seq(seq))
     hit = cache.best(prompt)   # (entry, common prefix length) or None
-    if hit is not None and runner.load_seq(seq, hit[0].state):
+    if hit is not None:
         cache.used(hit[0])
+        runner.load_seq(seq, hit[0].state)
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class PromptCache:
         self._entries: OrderedDict[int, CacheEntry] = OrderedDict()  # oldest first
         self._ids = 0
         self.size_bytes = 0
-        self.hits = 0  # restores
+        self.hits = 0  # entries chosen for a restore
         self.saves = 0
 
     @property
@@ -133,7 +134,7 @@ class PromptCache:
         return found
 
     def used(self, entry: CacheEntry) -> None:
-        """An entry was restored: it is now the most recently used."""
+        """An entry is being restored: it is now the most recently used."""
         if entry.key in self._entries:
             self._entries.move_to_end(entry.key)
             self.hits += 1

@@ -124,6 +124,7 @@ class LocalModel:
                 n_parallel=model_settings.parallel if model_settings else settings.parallel,
                 max_queue=settings.queue,
                 stream_buffer=settings.stream_buffer,
+                cache_ram_bytes=max(0, settings.cache_ram_mb) << 20,
             ),
         )
         info = runner.info
@@ -247,6 +248,11 @@ class LocalModel:
                 "tokens_generated": stats.tokens_generated,
                 "prompt_tokens_processed": stats.prompt_tokens_processed,
                 "cached_tokens_reused": stats.cached_tokens,
+            },
+            "prompt_cache": {  # KV states of earlier prompts in RAM (--cache-ram)
+                "entries": stats.prompt_cache_entries,
+                "bytes": stats.prompt_cache_bytes,
+                "restores": stats.prompt_cache_hits,
             },
         }
 

@@ -1,0 +1,177 @@
+"""The RAM prompt cache (issue 9): a prompt's KV state outlives its slot.
+
+Through the real app and engine on the scripted runner, whose saved state is
+its per-sequence token history: a restore shows up as that history put back.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import httpx
+from fakes import EOS, ScriptedRunner, chat_prompt
+
+from sluice.engine.prompt_cache import PromptCache
+
+from .helpers import CHAT, health, prompt_for, scripted_server, user, wait_until
+
+LONG = "tell me about " + " ".join(f"w{i}" for i in range(30))  # ~140 prompt tokens
+SHARED = len("<|im_start|>user\n")  # what every single-message prompt shares
+
+
+def tokens(text: str) -> list[int]:
+    return [ord(c) for c in text]
+
+
+def chat(base: str, messages: list[dict[str, str]]) -> dict[str, Any]:
+    r = httpx.post(base + CHAT, json={"messages": messages, "temperature": 0}, timeout=20)
+    assert r.status_code == 200, r.text
+    body: dict[str, Any] = r.json()
+    return body
+
+
+def cached(body: dict[str, Any]) -> int:
+    return int(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def next_turn() -> list[dict[str, str]]:
+    return [*user(LONG), {"role": "assistant", "content": "Hello world!"}, *user("and more")]
+
+
+def other(i: int) -> str:
+    return f"other request {i}: " + "x" * 60
+
+
+def fill_every_slot(base: str, runner: ScriptedRunner, n: int) -> None:
+    """``n`` different prompts at once, so every slot takes one (LONG's cache is gone)."""
+    threads = [threading.Thread(target=chat, args=(base, user(other(i)))) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    starts = {seq: hist[: len(prompt_for(LONG))] for seq, hist in runner.history.items()}
+    assert tokens(prompt_for(LONG)) not in starts.values(), "a slot still holds LONG"
+
+
+def test_prompt_comes_back_from_ram_after_every_slot_was_reused() -> None:
+    runner = ScriptedRunner(step_delay=0.005)
+    with scripted_server(runner, parallel=2) as base:
+        assert cached(chat(base, user(LONG))) == 0
+        fill_every_slot(base, runner, 2)
+        n_decodes = len(runner.decodes)
+        body = chat(base, next_turn())
+        first = len(prompt_for(LONG))
+        # The whole first prompt came back: LONG's rendering, not just a shared preamble.
+        assert cached(body) == first
+        _, restored = runner.loads[-1]
+        assert restored[:first] == tokens(prompt_for(LONG))
+        # Only the rest of the prompt was decoded, from where the restored prefix ends
+        # (on whichever seq compaction put it: it is the only active one).
+        prefill = [e for d in runner.decodes[n_decodes:] for e in d]
+        assert prefill[0].pos0 == first
+        assert [t for e in prefill if len(e.tokens) > 1 for t in e.tokens] == tokens(
+            chat_prompt(("user", LONG), ("assistant", "Hello world!"), ("user", "and more"))[first:]
+        )
+        stats = health(base)["models"]["scripted"]["prompt_cache"]
+        assert stats["restores"] == 1 and stats["entries"] >= 1 and stats["bytes"] > 0
+
+
+def test_same_prompt_again_reuses_all_but_its_last_token() -> None:
+    runner = ScriptedRunner()
+    with scripted_server(runner, parallel=1) as base:
+        chat(base, user(LONG))
+        chat(base, user(other(0)))  # takes the only slot
+        body = chat(base, user(LONG))
+        assert cached(body) == len(prompt_for(LONG)) - 1
+        assert len(runner.loads) == 1
+
+
+def test_compaction_saves_the_slot_it_overwrites() -> None:
+    """A sequence moved onto a lower idle slot replaces that slot's cache: saved first."""
+    long_script = [f"<{k}>".encode() for k in range(40)] + [EOS]
+    runner = ScriptedRunner({prompt_for("busy"): long_script}, step_delay=0.03)
+    head = tokens(prompt_for(LONG))[: SHARED + 4]
+    with scripted_server(runner, parallel=2) as base:
+        first = threading.Thread(target=chat, args=(base, user(LONG)))
+        first.start()
+        wait_until(lambda: any(h[: len(head)] == head for h in runner.history.values()) or None)
+        busy = threading.Thread(target=chat, args=(base, user("busy")))
+        busy.start()  # seq 1, while LONG still runs on seq 0
+        first.join(20)
+        assert wait_until(lambda: runner.moves or None) == [(1, 0)]  # "busy" onto LONG's seq
+        saved = [hist for seq, hist in runner.saves if seq == 0]
+        assert saved and saved[0][: len(prompt_for(LONG))] == tokens(prompt_for(LONG))
+        busy.join(20)
+        assert cached(chat(base, next_turn())) == len(prompt_for(LONG))
+
+
+def test_least_recently_used_entries_go_past_the_budget() -> None:
+    # 3 KiB per token: the 1 MiB budget holds two ~135-token prompts, not three.
+    runner = ScriptedRunner(state_bytes_per_token=3072)
+    prompts = [f"{name} " + name * 80 for name in "abcd"]
+    with scripted_server(runner, parallel=1, cache_ram_mb=1) as base:
+        for p in prompts:  # each one's admission saves the one before it
+            chat(base, user(p))
+        saved = [hist[: len(prompt_for(p))] for p, (_, hist) in zip(prompts, runner.saves)]
+        assert saved == [tokens(prompt_for(p)) for p in prompts[:3]]
+        # a was the least recently used when c was saved: gone.
+        assert cached(chat(base, user(prompts[0]))) == SHARED
+        assert runner.loads == []
+        # c is still there (d's save, at a's admission, pushed out b instead).
+        assert cached(chat(base, user(prompts[2]))) == len(prompt_for(prompts[2])) - 1
+        assert [hist[:5] for _, hist in runner.loads] == [tokens(prompt_for(prompts[2]))[:5]]
+
+
+def test_nothing_saved_below_the_minimum() -> None:
+    runner = ScriptedRunner()
+    with scripted_server(runner, parallel=1) as base:
+        for word in ["hi", "yo", "ok", "hi"]:  # ~50 prompt tokens + 3 generated < 64
+            chat(base, user(word))
+        assert runner.saves == []
+        assert runner.loads == []
+
+
+def test_zero_turns_it_off() -> None:
+    runner = ScriptedRunner(step_delay=0.005)
+    with scripted_server(runner, parallel=2, cache_ram_mb=0) as base:
+        chat(base, user(LONG))
+        fill_every_slot(base, runner, 2)
+        body = chat(base, next_turn())
+        assert cached(body) == SHARED  # only what an idle slot still shares
+        assert runner.saves == [] and runner.loads == []
+
+
+# -- the cache on its own -----------------------------------------------------------------
+
+
+def test_lookup_is_by_longest_common_prefix() -> None:
+    cache = PromptCache(budget_bytes=1 << 20, min_tokens=2)
+    cache.put([1, 2, 3, 4], bytearray(b"a"))
+    cache.put([1, 2, 9, 9, 9], bytearray(b"b"))
+    hit = cache.best([1, 2, 3, 7])
+    assert hit is not None and hit[0].tokens == [1, 2, 3, 4] and hit[1] == 3
+    assert cache.best([5, 1]) is None
+
+
+def test_an_entry_that_is_a_prefix_of_a_newer_one_is_dropped() -> None:
+    cache = PromptCache(budget_bytes=1 << 20, min_tokens=2)
+    cache.put([1, 2, 3], bytearray(b"abc"))
+    assert not cache.wants([1, 2])  # held by [1, 2, 3] already: no save needed
+    cache.put([1, 2, 3, 4, 5], bytearray(b"abcde"))
+    assert [e.tokens for e in cache.entries()] == [[1, 2, 3, 4, 5]]
+    assert cache.size_bytes == 5
+
+
+def test_used_entries_are_evicted_last() -> None:
+    cache = PromptCache(budget_bytes=10, min_tokens=1)
+    cache.put([1], bytearray(4))
+    cache.put([2], bytearray(4))
+    hit = cache.best([1])
+    assert hit is not None
+    cache.used(hit[0])
+    cache.put([3], bytearray(4))  # 12 bytes > 10: the least recently used, [2], goes
+    assert [e.tokens for e in cache.entries()] == [[1], [3]]
+    cache.put([4], bytearray(11))  # larger than the whole budget: not kept
+    assert len(cache) == 2
+    assert not PromptCache(budget_bytes=0).wants(list(range(100)))
