@@ -1,0 +1,39 @@
+"""Server-side conversations: a repository interface and its SQLite implementation.
+
+Example::
+
+    from sluice.store import NewMessage, SQLiteStore
+
+    store = await SQLiteStore.open(data_dir / "conversations.db")
+    conversation = await store.create_conversation(owner="alice", user_id=None, model="m")
+    await store.add_message(conversation.id, NewMessage(role="user", content="Hi"))
+"""
+
+from sluice.store.models import (
+    Conversation,
+    DuplicateMessageId,
+    InvalidParent,
+    Message,
+    MessageStatus,
+    NewMessage,
+    StoreClosed,
+    StoreFailed,
+    UnknownConversation,
+)
+from sluice.store.repository import ConversationStore
+from sluice.store.sqlite import MIGRATIONS, SQLiteStore
+
+__all__ = [
+    "MIGRATIONS",
+    "Conversation",
+    "ConversationStore",
+    "DuplicateMessageId",
+    "InvalidParent",
+    "Message",
+    "MessageStatus",
+    "NewMessage",
+    "SQLiteStore",
+    "StoreClosed",
+    "StoreFailed",
+    "UnknownConversation",
+]

@@ -1,0 +1,142 @@
+"""What the store keeps: conversations, and messages that form a tree.
+
+Every message names its parent, so a conversation is a tree rather than a
+list: LM Studio's ``previous_response_id`` may continue from any earlier
+response, and two follow-ups of one response are two branches. A
+conversation's ``head_id`` is the tip of its main line, what the next
+``/c1`` turn continues.
+
+Example::
+
+    turn = NewMessage(role="user", content="Hello")
+    stored = await store.add_message(conversation.id, turn)
+    stored.parent_id  # the conversation's previous head
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from sluice.errors import InternalError, InvalidRequest, NotFound, ShuttingDown
+
+MessageStatus = Literal["complete", "incomplete", "failed"]
+MESSAGE_STATUSES: tuple[MessageStatus, ...] = ("complete", "incomplete", "failed")
+
+CONVERSATION_PREFIX = "conv_"
+MESSAGE_PREFIX = "msg_"
+
+
+def new_id(prefix: str) -> str:
+    """``prefix`` + 24 hex digits (96 random bits: unguessable, so an id is no capability leak)."""
+    return prefix + secrets.token_hex(12)
+
+
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    """One server-side conversation, owned by an API key (and optionally an end user).
+
+    Example::
+
+        conversation = await store.create_conversation(owner="alice", user_id=None, model="m")
+        conversation.id  # "conv_" + 24 hex
+    """
+
+    id: str
+    owner: str  # the API key's name ("" when the server has no keys)
+    user_id: str | None  # optional end-user id within one key
+    model: str | None
+    created_at: float  # unix seconds
+    updated_at: float
+    head_id: str | None  # the latest message of the main line (what the next turn continues)
+    message_count: int
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """A stored message: a node of its conversation's tree.
+
+    Example::
+
+        message = await store.get_message("msg_0123456789abcdef01234567")
+        message.parent_id, message.role, message.content
+    """
+
+    id: str  # "msg_" + 24 hex unless the caller gave one (LM Studio gives "resp_...")
+    conversation_id: str
+    parent_id: str | None
+    role: str  # system | user | assistant | tool
+    content: Any  # JSON-able: a string, OpenAI content parts, or None
+    created_at: float
+    status: MessageStatus = "complete"
+    model: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+    usage: dict[str, Any] | None = None
+    error: str | None = None  # what failed, for status "failed"
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class NewMessage:
+    """The fields of a :class:`Message` that a caller supplies; the store fills in the rest.
+
+    ``parent_id`` None means "the conversation's head" (for the first message:
+    none, a root). ``id`` None means a fresh ``msg_`` id.
+
+    Example::
+
+        NewMessage(role="assistant", content="Hi", status="incomplete", finish_reason=None)
+    """
+
+    role: str
+    content: Any = None
+    parent_id: str | None = None
+    status: MessageStatus = "complete"
+    model: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+    usage: dict[str, Any] | None = None
+    error: str | None = None
+    finish_reason: str | None = None
+    id: str | None = None
+
+
+class UnknownConversation(NotFound):
+    """A message was added to a conversation that does not exist (or was deleted meanwhile)."""
+
+    def __init__(self, conversation_id: str) -> None:
+        super().__init__(f"No conversation '{conversation_id}'.", param="conversation_id")
+        self.conversation_id = conversation_id
+
+
+class InvalidParent(InvalidRequest):
+    """A message's parent does not exist or belongs to another conversation."""
+
+    def __init__(self, parent_id: str) -> None:
+        super().__init__(f"No message '{parent_id}' in this conversation.", param="parent_id")
+        self.parent_id = parent_id
+
+
+class DuplicateMessageId(InvalidRequest):
+    """A caller-given message id is already taken."""
+
+    def __init__(self, message_id: str) -> None:
+        super().__init__(f"A message with id '{message_id}' already exists.", param="id")
+        self.message_id = message_id
+
+
+class StoreClosed(ShuttingDown):
+    """The store was closed (the server is shutting down)."""
+
+    def __init__(self) -> None:
+        super().__init__("The conversation store is closed.")
+
+
+class StoreFailed(InternalError):
+    """SQLite itself failed (disk full, I/O error, a schema newer than this sluice)."""

@@ -1,0 +1,104 @@
+"""The repository interface the routes program against; SQLite is one implementation.
+
+Every method is a coroutine that never blocks the event loop. A write is
+durable (committed) when its coroutine returns, and writes are applied in
+the order they were called.
+
+Example::
+
+    store: ConversationStore = await SQLiteStore.open(path)
+    conversation = await store.create_conversation(owner="alice", user_id=None, model="m")
+    await store.add_message(conversation.id, NewMessage(role="user", content="Hi"))
+    history = await store.path(conversation.head_id or "")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from sluice.store.models import Conversation, Message, NewMessage
+
+
+class ConversationStore(Protocol):
+    """Server-side conversations and their message trees.
+
+    Ownership: a conversation belongs to ``owner`` (an API key's name) and
+    ``user_id``; lookups by another owner or user answer as if it did not
+    exist, so the caller's 404 never confirms a foreign id. ``user_id`` None
+    matches only conversations made without one.
+
+    Example::
+
+        page, total = await store.list_conversations(
+            owner="alice", user_id=None, limit=20, offset=0
+        )
+    """
+
+    async def create_conversation(
+        self, *, owner: str, user_id: str | None, model: str | None
+    ) -> Conversation:
+        """A new empty conversation (no messages, ``head_id`` None), committed."""
+        ...
+
+    async def get_conversation(
+        self, conversation_id: str, *, owner: str, user_id: str | None
+    ) -> Conversation | None:
+        """The conversation, or None if unknown or someone else's."""
+        ...
+
+    async def list_conversations(
+        self, *, owner: str, user_id: str | None, limit: int, offset: int
+    ) -> tuple[list[Conversation], int]:
+        """One page of the caller's conversations, most recently updated first, and the total."""
+        ...
+
+    async def delete_conversation(
+        self, conversation_id: str, *, owner: str, user_id: str | None
+    ) -> bool:
+        """Delete it with all its messages; False if unknown or someone else's."""
+        ...
+
+    async def add_message(
+        self, conversation_id: str, message: NewMessage, *, advance_head: bool = True
+    ) -> Message:
+        """Store one message, committed when this returns.
+
+        Its parent defaults to the conversation's head; ``advance_head`` makes
+        it the new head. Bumps the conversation's ``updated_at`` and
+        ``message_count``. Raises ``UnknownConversation``, ``InvalidParent``
+        or ``DuplicateMessageId``. A caller cancelled while waiting does not
+        undo it: once called, the write happens (a turn the client cut off is
+        still recorded).
+        """
+        ...
+
+    async def add_messages(
+        self,
+        conversation_id: str,
+        messages: Sequence[NewMessage],
+        *,
+        advance_head: bool = True,
+    ) -> list[Message]:
+        """Store several messages in one transaction (all or none), as a chain.
+
+        The first's parent defaults to the head, each next one's to the one
+        before it; ``advance_head`` makes the last one the new head.
+        """
+        ...
+
+    async def messages(self, conversation_id: str) -> list[Message]:
+        """Every message of the conversation (all branches), in creation order."""
+        ...
+
+    async def path(self, message_id: str) -> list[Message]:
+        """The root .. ``message_id`` through parent links; empty if unknown."""
+        ...
+
+    async def get_message(self, message_id: str) -> Message | None:
+        """One message by id (any conversation: the caller checks ownership)."""
+        ...
+
+    async def close(self) -> None:
+        """Finish every queued write, then close; later calls raise ``StoreClosed``."""
+        ...
