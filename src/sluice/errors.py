@@ -101,9 +101,7 @@ class ConversationNotFound(NotFound):
     """No conversation with this id for this caller (another key's is not found either)."""
 
     def __init__(self, conversation_id: str) -> None:
-        super().__init__(
-            f"No conversation '{conversation_id}' was found.", param="conversation_id"
-        )
+        super().__init__(f"No conversation '{conversation_id}' was found.", param="conversation_id")
 
 
 class ServerBusy(SluiceError):

@@ -22,11 +22,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from sluice import catalog
-from sluice.api import info, lmstudio, metrics, routes
+from sluice.api import conversations, info, lmstudio, metrics, routes
 from sluice.api.keys import ApiKeys, BearerAuth, names_line
 from sluice.api.sse import error_response
 from sluice.catalog import ModelSpec
-from sluice.config import Settings, default_models_dir
+from sluice.config import Settings, default_models_dir, default_store_path
 from sluice.engine.runner import ModelRunner
 from sluice.errors import (
     InternalError,
@@ -45,6 +45,7 @@ from sluice.serving.metrics import Metrics
 from sluice.serving.offload import Offload
 from sluice.serving.registry import LoadOptions, ModelRegistry, Progress
 from sluice.serving.upstream import UpstreamSlot
+from sluice.store import ConversationStore, SQLiteStore
 
 log = logging.getLogger("sluice.api")
 
@@ -58,7 +59,14 @@ class ServerState:
     downloads: DownloadManager  # GGUF downloads into the models folder
     dispatcher: Dispatcher  # model names -> slots: local models and upstream servers
     metrics: Metrics  # live per-slot figures (/metrics, /v1/info)
-    draining: bool = False  # after SIGTERM: running requests finish, new ones get 503
+    # conversations and stored responses; opened by the lifespan, before any request
+    _store: ConversationStore | None = None
+    draining: bool = False
+
+    @property
+    def store(self) -> ConversationStore:
+        assert self._store is not None, "the store opens in the lifespan, before any request"
+        return self._store  # after SIGTERM: running requests finish, new ones get 503
 
     def begin_shutdown(self) -> None:
         """End the running requests of every loaded model with ``shutting_down``."""
@@ -170,7 +178,10 @@ def create_app(
             await registry.load(default.name, ttl=0)
             await registry.start()
             await state.dispatcher.start()  # a first health check finds upstreams' models
+            state._store = await SQLiteStore.open(settings.store or default_store_path())
         except BaseException:
+            if state._store is not None:
+                await state._store.close()
             await state.dispatcher.close()
             await registry.close()
             await state.downloads.close()
@@ -191,6 +202,7 @@ def create_app(
         finally:
             await state.downloads.close()  # a running download keeps its .part to resume
             await state.dispatcher.close()
+            await state.store.close()  # after the streams: their turns are recorded first
             await registry.close()
             state.offload.close()
 
@@ -230,6 +242,18 @@ def create_app(
             Route("/v1/completions", routes.completions, methods=["POST"]),
             Route("/v1/models", routes.list_models, methods=["GET"]),
             Route("/v1/models/{model_id:path}", routes.get_model, methods=["GET"]),
+            Route("/c1/chat", conversations.chat, methods=["POST"]),
+            Route("/c1/conversations", conversations.list_conversations, methods=["GET"]),
+            Route(
+                "/c1/conversations/{conversation_id}",
+                conversations.get_conversation,
+                methods=["GET"],
+            ),
+            Route(
+                "/c1/conversations/{conversation_id}",
+                conversations.delete_conversation,
+                methods=["DELETE"],
+            ),
             Route("/v1/info", info.catalog, methods=["GET"]),
             Route("/metrics", metrics.metrics, methods=["GET"]),
             Route("/health", routes.health, methods=["GET"]),
