@@ -71,6 +71,7 @@ class ScriptedRunner:
     chat_template: str | None = CHATML
     partial_keep: bool = True  # False: behave like a cache that cannot drop a suffix
     dense_sequences: bool = True  # the engine compacts active sequences onto low ids
+    trim_after_restore: bool = True  # False: like a sliding-window model's saved state
     control_texts: tuple[str, ...] = ("<|im_start|>", "<|im_end|>")
     max_piece_bytes: int = 64
     state_bytes_per_token: int = 4  # size of a saved state, like a real KV's (>= 4)
@@ -162,7 +163,7 @@ class ScriptedRunner:
     def load_seq(self, seq: int, data: bytearray) -> int:
         n = array("i", bytes(data[:4]))[0]
         hist = array("i", bytes(data[4 : 4 + 4 * n])).tolist()
-        self.loads.append((seq, hist))
+        self.loads.append((seq, list(hist)))
         self.history[seq] = hist
         return len(hist)
 

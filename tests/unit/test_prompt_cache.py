@@ -87,6 +87,22 @@ def test_same_prompt_again_reuses_all_but_its_last_token() -> None:
         assert len(runner.loads) == 1
 
 
+def test_a_state_that_cannot_be_cut_is_restored_only_whole() -> None:
+    """Sliding-window models: a restored state is used only when all of it is a prefix."""
+    runner = ScriptedRunner({prompt_for(LONG): [EOS]}, trim_after_restore=False)
+    with scripted_server(runner, parallel=1) as base:
+        chat(base, user(LONG))  # answers nothing: the slot holds exactly LONG's prompt
+        chat(base, user(other(0)))
+        # The same prompt again would need the state cut by a token: prefilled instead.
+        assert cached(chat(base, user(LONG))) == SHARED
+        assert runner.loads == []
+        chat(base, user(other(1)))
+        # A next turn starts with all of it.
+        turn = [*user(LONG), {"role": "assistant", "content": ""}, *user("and more")]
+        assert cached(chat(base, turn)) == len(prompt_for(LONG))
+        assert [hist for _, hist in runner.loads] == [tokens(prompt_for(LONG))]
+
+
 def test_compaction_saves_the_slot_it_overwrites() -> None:
     """A sequence moved onto a lower idle slot replaces that slot's cache: saved first."""
     long_script = [f"<{k}>".encode() for k in range(40)] + [EOS]

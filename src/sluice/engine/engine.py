@@ -358,16 +358,20 @@ class Engine:
             slot = max(idle, key=lambda s: (common_prefix(s.cache, prompt), -len(s.cache)))
             want = min(common_prefix(slot.cache, prompt), limit)
             # 2. A RAM entry that beats it by enough goes into the idle slot whose
-            #    cache is the least to lose.
-            hit = self._cache.best(prompt) if limit and self._cache.enabled else None
+            #    cache is the least to lose (whole, when the runner cannot cut a
+            #    restored state short).
+            hit = None
+            if limit and self._cache.enabled:
+                hit = self._cache.best(prompt[:limit], whole=not self.runner.trim_after_restore)
             restore = None
             if hit is not None:
-                gain = min(hit[1], limit) - want
-                if gain >= self._cache.min_tokens and gain * RESTORE_RATIO >= len(hit[0].tokens):
-                    restore = hit[0]
-                    self._cache.used(restore)  # most recent now: the save below cannot evict it
+                entry, n = hit  # n <= limit
+                gain = n - want
+                if gain >= self._cache.min_tokens and gain * RESTORE_RATIO >= len(entry.tokens):
+                    restore = entry
+                    self._cache.used(entry)  # most recent now: the save below cannot evict it
                     slot = min(idle, key=lambda s: len(s.cache))
-                    want = min(hit[1], limit)
+                    want = n
             # 3. What the slot held beyond the kept prefix is about to go: save it first.
             if restore is not None or want < len(slot.cache):
                 self._save(slot)

@@ -253,6 +253,15 @@ class LlamaRunner:
         self.n_seq_max = int(L.llama_n_seq_max(ctx))
         self.n_batch = int(L.llama_n_batch(ctx))
         self.dense_sequences = True  # per-sequence KV streams: see Engine._compact
+        # A sequence's saved state holds, for sliding-window layers, only the cells its
+        # last position still attends to: cut shorter, the window before the cut is
+        # missing (measured on Gemma 3: logits off by up to 28 against a fresh prefill).
+        # Recurrent states cannot be cut at all.
+        self.trim_after_restore = not (
+            int(L.llama_model_n_swa(model)) > 0
+            or L.llama_model_is_recurrent(model)
+            or L.llama_model_is_hybrid(model)
+        )
         # Sequences a move touched since the last decode. A move across KV streams
         # copies the cells' tensors only at the next decode (llama_memory_seq_cp), and
         # llama.cpp's state save/restore does not apply pending copies: a save would read

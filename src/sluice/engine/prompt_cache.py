@@ -114,17 +114,20 @@ class PromptCache:
         while self.size_bytes > self.budget_bytes:
             self._drop(next(iter(self._entries)))
 
-    def best(self, prompt: list[int]) -> tuple[CacheEntry, int] | None:
+    def best(self, prompt: list[int], *, whole: bool = False) -> tuple[CacheEntry, int] | None:
         """The entry sharing the longest prefix with ``prompt``, and that length.
 
-        Ties go to the shorter entry (less to restore). Call :meth:`used` if it
-        is restored.
+        With ``whole``, only entries that are a prefix of ``prompt`` in full (for
+        states that cannot be cut short after a restore). Ties go to the shorter
+        entry (less to restore). Call :meth:`used` if it is restored.
         """
         found: tuple[CacheEntry, int] | None = None
         for entry in self._entries.values():
             if not prompt or entry.tokens[0] != prompt[0]:  # most misses end here
                 continue
             n = common_prefix(entry.tokens, prompt)
+            if whole and n < len(entry.tokens):
+                continue
             if (
                 found is None
                 or n > found[1]

@@ -62,6 +62,9 @@ class ModelRunner(Protocol):
     n_batch: int  # max tokens per decode
     n_vocab: int
     dense_sequences: bool  # decoding is fastest when active sequence ids are consecutive
+    # A state load_seq restored can be cut to any shorter prefix with keep_prefix. Not with
+    # sliding-window attention: llama.cpp saves only the window's cells of those layers.
+    trim_after_restore: bool
     control_texts: tuple[str, ...]  # texts of the control tokens (<|im_end|>, ...)
     max_piece_bytes: int  # the longest token's text, in bytes
 
