@@ -28,16 +28,17 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-# Prompts shorter than this are not saved: prefilling 64 tokens costs about as much
-# as one step of a busy batch (~0.2 s at 2.8 ms per prompt token on a 2-core machine),
-# while an entry costs a save (~25 ms per 1000 tokens for SmolLM2-135M, 23 KB per
-# token) and budget. Also the least gain for which a restore is worth it.
+# Sequences shorter than this are not saved, and a restore must spare at least this
+# many prompt tokens. Below it the prefill is short (64 tokens: ~0.2-0.4 s on a 2-core
+# machine), while every entry costs a save on the engine thread (~15-25 ms per 1000
+# tokens for SmolLM2-135M, 22.5 KiB per token) and makes each lookup, a scan of all
+# entries, longer: many tiny entries (chat greetings) would cost more than they spare.
 MIN_TOKENS = 64
 
 # A restore copies the whole entry back, then trims it to the common prefix: it pays
 # only if the prompt tokens it spares are worth the tokens it copies. Restoring is
-# ~100x cheaper per token than prefilling (SmolLM2-135M: ~5 ms vs 2.8-7 s per 1000
-# tokens), so requiring 1 spared token per 16 copied keeps a wide margin.
+# ~1000x cheaper per token than prefilling (SmolLM2-135M, 1 thread: ~4-8 ms vs ~6.5 s
+# per 1000 tokens), so requiring 1 spared token per 16 copied keeps a wide margin.
 RESTORE_RATIO = 16
 
 
