@@ -29,6 +29,8 @@ from sluice.api.sse import SSEResponse, error_response, run_until_disconnect, ss
 from sluice.errors import ConversationNotFound, InvalidRequest, ShuttingDown, SluiceError
 from sluice.protocol.body import BodyLimits, check_body_limits, parse_json_body, paused_gc
 from sluice.protocol.openai import ChatCompletionRequest, ChatMessage
+from sluice.serving.backend import ResponseStream
+from sluice.serving.dispatch import SlotLease
 from sluice.serving.formatters.openai import ChatStreamFormatter, ResponseMeta, chat_completion_body
 from sluice.serving.recorder import Recorder
 from sluice.serving.request import GenerationRequest
@@ -157,17 +159,9 @@ async def chat(request: Request) -> Response:
             if conversation.head_id is not None:
                 history = history_messages(await state.store.path(conversation.head_id))
         body, neutral = await state.offload.run(lambda: _chat_request(turn, history, state.limits))
-        lease = await state.dispatcher.acquire(neutral.model, ttl=body.ttl)
+        lease, stream = await state.dispatcher.open(neutral, ttl=body.ttl)
     except SluiceError as exc:
         return error_response(exc, sse=sse)
-    try:
-        stream = await lease.open(neutral)
-    except SluiceError as exc:
-        lease.release()
-        return error_response(exc, sse=sse)
-    except BaseException:
-        lease.release()
-        raise
     try:
         # The user's message is durable before the first byte of the answer.
         if conversation is None:
@@ -189,8 +183,8 @@ async def _answer(
     state: ServerState,
     body: ChatCompletionRequest,
     neutral: GenerationRequest,
-    stream: Any,
-    lease: Any,
+    stream: ResponseStream,
+    lease: SlotLease,
     conversation: Conversation,
     user: Message,
 ) -> Response:

@@ -196,18 +196,10 @@ async def _complete(
     try:
         # A model that is not loaded loads here (the stream waits for it), then the
         # request is validated against it: the role frame still comes only after.
-        lease = await state.dispatcher.acquire(neutral.model, ttl=body.ttl)
+        lease, stream = await state.dispatcher.open(neutral, ttl=body.ttl)
     except SluiceError as exc:
-        return error_response(exc, sse=sse)
-    try:
-        stream = await lease.open(neutral)
-    except SluiceError as exc:
-        lease.release()
         # Knowable before the first byte: a real status, in the shape asked for.
         return error_response(exc, sse=sse)
-    except BaseException:
-        lease.release()
-        raise
     meta = ResponseMeta.of(
         stream.meta,
         chat=chat,

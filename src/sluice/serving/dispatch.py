@@ -139,6 +139,25 @@ class Dispatcher:
                 return UpstreamTarget(slot, model)
         return None
 
+    async def open(
+        self,
+        request: GenerationRequest,
+        *,
+        ttl: float | None = None,
+        progress: Progress | None = None,
+    ) -> tuple[SlotLease, ResponseStream]:
+        """Acquire the slot serving ``request.model`` and open a metered stream on it.
+
+        Every error knowable before the first byte is raised here, the lease
+        already released; otherwise the caller releases it after closing the stream.
+        """
+        lease = await self.acquire(request.model, ttl=ttl, progress=progress)
+        try:
+            return lease, await lease.open(request)
+        except BaseException:
+            lease.release()
+            raise
+
     async def acquire(
         self, name: str | None, *, ttl: float | None = None, progress: Progress | None = None
     ) -> SlotLease:
