@@ -1,0 +1,809 @@
+#!/usr/bin/env python
+"""Conversations and the prompt cache (issue 9, scope 6): sluice against llama-server.
+
+Two servers on the same model (SmolLM2-135M), one at a time, each started fresh per round
+(empty caches), the order swapped every round:
+
+* **sluice**: ``python -m sluice serve --threads 1 --parallel 4 --ctx 8192 --store <tmp>``
+  (its RAM prompt cache, ``--cache-ram``, on by default: 2048 MiB); the conversation goes
+  through ``POST /c1/chat``: only the new message, the history from its store
+  (``conversation_id`` from the ``x-conversation-id`` header);
+* **llama-server**: llama.cpp's own server built from the llama.cpp the pinned
+  llama-cpp-python vendors (``llama_server.py``), ``-t 1 -np 4 -c 32768`` (its ``-c`` is
+  the total over the slots: 4 x 8192), ``--cache-ram 2048`` (sluice's default budget;
+  its own default is 8192), prompt caching on (``cache_prompt: true`` in every request);
+  fed the whole history through ``/v1/chat/completions`` every turn, its own answers
+  appended.
+
+A round on one server:
+
+1. **Conversation under load**: 3 background clients keep the other 3 slots generating
+   (streams of distinct short prompts, ``ignore_eos``, 192-383 tokens, each restarted as it
+   ends); one conversation of 10 turns, each user message ~150 words (distinct,
+   deterministic, the same bytes on both servers), temperature 0, ``ignore_eos``, 64
+   tokens per answer (so that both histories have the same length). TTFT of every turn.
+2. **Cold prefill** (the load still on): the 10th turn's whole prompt (sluice: the
+   history read back from its store) with one word added at the start of the first user
+   message, so that no cache holds any of it beyond the chat template's system part,
+   sent through ``/v1/chat/completions``: its TTFT is the reference of the 10th turn.
+3. **Re-sent prompt** (the load stopped, the server idle): a ~2000-token prompt, then 8
+   other requests (~200-token distinct prompts, 16 tokens each, sent at once: 4 run, 4
+   queue, every slot reused), then the long prompt again: the TTFT of both sends.
+
+TTFT = request sent -> first chunk with non-empty ``content``, client side, one blocking
+socket (bench.py's minimal client). Per-turn figures are medians over rounds; the
+targets are judged on the medians (and counted per round).
+
+Targets (issue 9): every turn's TTFT and the re-sent prompt's at or below llama-server's
+in the same run; the 10th turn's TTFT <= 0.25x a cold prefill of its whole prompt.
+
+Checks (printed and written with the results): a turn whose prompt has another token count
+on the two servers (one history lacks a message: e.g. a streamed ``/c1/chat`` answer not
+yet stored when the next turn, sent as soon as ``[DONE]`` arrives, reads the history),
+background streams not all generating when a turn was sent, answers of another length,
+other processes' CPU above ``--quiet`` during a round. The next turn follows the answer at
+once (``--think`` adds a pause).
+
+Usage: ``.venv/bin/python benchmarks/conversation.py [--quick] [--rounds N]``; writes
+``benchmarks/results/conversation-<timestamp>.json`` and ``.md``. Builds llama-server on
+first use (about 7 minutes, cached).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import random
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+import bench
+from llama_server import build_info, ensure_llama_server
+
+SERVERS = ("sluice", "llama-server")
+PARALLEL, CTX, CACHE_RAM_MB = 4, 8192, 2048
+TARGETS = {"turn_ttft_ratio_max": 1.0, "resent_ttft_ratio_max": 1.0, "last_turn_vs_cold_max": 0.25}
+CONTENT = re.compile(rb'"content":"[^"]')  # a chunk with non-empty content
+
+# --- deterministic text ---------------------------------------------------------------
+
+PEOPLE = ["Mara", "the old ferryman", "my neighbour Tomas", "the baker", "a young surveyor"]
+PEOPLE += ["the harbour master", "my sister Ines", "a travelling musician", "the schoolteacher"]
+PLACES = ["the lighthouse", "the river valley", "the village market", "the mountain railway"]
+PLACES += ["the north meadow", "the stone bridge", "the abandoned mill", "the orchard", "the pier"]
+THINGS = ["a brass compass", "a bundle of letters", "a wooden crate", "a faded map", "a lantern"]
+THINGS += ["a basket of pears", "a broken clock", "a roll of canvas", "a ledger", "a small boat"]
+ADJS = ["quiet", "restless", "cold", "golden", "grey", "crowded", "misty", "bright", "windy"]
+TIMES = ["At dawn", "Later that morning", "Around noon", "In the afternoon", "Towards evening"]
+TIMES += ["Long after dark", "On the second day", "A week later", "That same night"]
+SENTENCES = [
+    "{time} {person} went down to {place} carrying {thing}.",
+    "The air around {place} was {adj}, and nobody could say why.",
+    "{person} had promised to bring {thing} back before the bells rang.",
+    "Everyone agreed that {place} looked different since the storm.",
+    "{time} the road to {place} was {adj} and almost empty.",
+    "Nobody expected {person} to care so much about {thing}.",
+    "There was a rumour that {thing} had once belonged to {person}.",
+    "{person} counted the steps from the gate to {place} twice, just to be sure.",
+    "{time} a {adj} wind came off the water and rattled the shutters.",
+    "The children asked {person} about {thing}, but got only a smile in return.",
+    "It took three people to carry {thing} across {place}.",
+    "{person} wrote everything down in a notebook with a {adj} cover.",
+]
+
+
+def paragraph(rng: random.Random, words: int) -> str:
+    out: list[str] = []
+    while sum(len(s.split()) for s in out) < words:
+        s = rng.choice(SENTENCES).format(
+            time=rng.choice(TIMES),
+            person=rng.choice(PEOPLE),
+            place=rng.choice(PLACES),
+            thing=rng.choice(THINGS),
+            adj=rng.choice(ADJS),
+        )
+        out.append(s[0].upper() + s[1:])
+    return " ".join(out)
+
+
+def turn_messages(turns: int, words: int) -> list[str]:
+    """The user's messages: ~``words`` words each, distinct, the same every run."""
+    return [
+        f"Here is part {i + 1} of the story I am writing. "
+        + paragraph(random.Random(f"turn-{i}"), words - 25)
+        + " Please tell me in two sentences what you think of this part and what could happen"
+        " next."
+        for i in range(turns)
+    ]
+
+
+def long_prompt(words: int) -> list[dict[str, str]]:
+    return [
+        {
+            "role": "user",
+            "content": "Read this chronicle carefully; I will ask questions about it. "
+            + paragraph(random.Random("long"), words)
+            + " Who appears most often in the chronicle?",
+        }
+    ]
+
+
+def other_prompt(k: int, words: int) -> list[dict[str, str]]:
+    return [
+        {
+            "role": "user",
+            "content": f"Request {k}: summarize this note. "
+            + paragraph(random.Random(f"other-{k}"), words),
+        }
+    ]
+
+
+# --- the client: one blocking socket per stream ------------------------------------------
+
+
+@dataclass
+class Reply:
+    status: int = 0
+    headers: dict[str, str] = field(default_factory=dict)
+    t_send: float = 0.0
+    t_first: float = 0.0
+    t_done: float = 0.0
+    raw: bytearray = field(default_factory=bytearray)
+
+    @property
+    def ttft(self) -> float:
+        return self.t_first - self.t_send
+
+    def parsed(self) -> dict[str, Any]:
+        """Text, usage, llama-server's timings, finish reason of the SSE body."""
+        head, _, body = bytes(self.raw).partition(b"\r\n\r\n")
+        if b"transfer-encoding: chunked" in head.lower():
+            body = bench._dechunk(body)
+        text, usage, timings, finish = [], None, None, None
+        for line in body.split(b"\n"):
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            usage = obj.get("usage") or usage
+            timings = obj.get("timings") or timings
+            for ch in obj.get("choices") or ():
+                text.append((ch.get("delta") or {}).get("content") or "")
+                finish = ch.get("finish_reason") or finish
+        return {"text": "".join(text), "usage": usage, "timings": timings, "finish": finish}
+
+
+def open_stream(port: int, path: str, body: dict[str, Any]) -> tuple[socket.socket, bytes]:
+    data = json.dumps(body).encode()
+    req = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+        f"Accept: text/event-stream\r\nContent-Length: {len(data)}\r\nConnection: close\r\n\r\n"
+    ).encode() + data
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock, req
+
+
+def read_stream(
+    sock: socket.socket,
+    req: bytes,
+    res: Reply,
+    stop: threading.Event | None = None,
+    on_first: Any = None,
+) -> None:
+    """Send ``req`` and read the answer to ``[DONE]`` (or until ``stop`` is set);
+    ``on_first()`` is called at the first content chunk."""
+    tail = b""
+    res.t_send = time.perf_counter()
+    try:
+        sock.sendall(req)
+        while data := sock.recv(65536):
+            now = time.perf_counter()
+            res.raw += data
+            if not res.t_first and CONTENT.search(tail + data):
+                res.t_first = now
+                if on_first is not None:
+                    on_first()
+            if b"data: [DONE]" in tail + data:
+                res.t_done = now
+                break
+            if stop is not None and stop.is_set():
+                break
+            tail = data[-64:]
+    except OSError:
+        if stop is None or not stop.is_set():
+            raise
+    finally:
+        sock.close()
+    head = bytes(res.raw[: res.raw.find(b"\r\n\r\n")]).decode("latin-1").split("\r\n")
+    if head and head[0].startswith("HTTP/1.1 "):
+        res.status = int(head[0].split()[1])
+        res.headers = {k.lower(): v.strip() for k, _, v in (h.partition(":") for h in head[1:])}
+
+
+def stream(port: int, path: str, body: dict[str, Any]) -> Reply:
+    sock, req = open_stream(port, path, body)  # connected before the clock
+    res = Reply()
+    read_stream(sock, req, res)
+    if res.status != 200 or not res.t_first or not res.t_done:
+        sys.exit(f"conversation: {path} failed: {bytes(res.raw[:800])!r}")
+    return res
+
+
+def streams_at_once(port: int, bodies: list[dict[str, Any]]) -> list[Reply]:
+    conns = [open_stream(port, "/v1/chat/completions", b) for b in bodies]
+    results = [Reply() for _ in bodies]
+    threads = [
+        threading.Thread(target=read_stream, args=(s, r, res), daemon=True)
+        for (s, r), res in zip(conns, results)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(900)
+    for res in results:
+        if res.status != 200 or not res.t_done:
+            sys.exit(f"conversation: a request failed: {bytes(res.raw[:800])!r}")
+    return results
+
+
+def chat_body(messages: list[dict[str, str]], tokens: int) -> dict[str, Any]:
+    return {
+        "model": "smollm2",
+        "messages": messages,
+        "stream": True,
+        "temperature": 0,
+        "max_tokens": tokens,
+        "ignore_eos": True,
+        "cache_prompt": True,  # llama-server's prompt cache (its default; sluice ignores it)
+        "stream_options": {"include_usage": True},
+    }
+
+
+def usage_of(res: Reply) -> dict[str, Any]:
+    p = res.parsed()
+    u = p["usage"] or {}
+    t = p["timings"] or {}
+    return {
+        "prompt_tokens": u.get("prompt_tokens"),
+        "cached_tokens": (u.get("prompt_tokens_details") or {}).get("cached_tokens"),
+        "completion_tokens": u.get("completion_tokens"),
+        "server_prompt_ms": t.get("prompt_ms"),  # llama-server only
+        "ttft_ms": res.ttft * 1000,
+    }
+
+
+class Background:
+    """``n`` clients that keep ``n`` slots generating: a stream of a distinct short prompt,
+    restarted as soon as it ends, until ``stop``."""
+
+    def __init__(self, port: int, n: int) -> None:
+        self.port, self.n = port, n
+        self.stop_ev = threading.Event()
+        self.socks: list[socket.socket | None] = [None] * n
+        self.generating = [False] * n
+        self.started = 0
+        self.lock = threading.Lock()
+        self.threads = [
+            threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(n)
+        ]
+
+    def _loop(self, i: int) -> None:
+        while not self.stop_ev.is_set():
+            with self.lock:
+                k = self.started
+                self.started += 1
+            rng = random.Random(f"bg-{k}")
+            topic = bench.SYSTEM_TOPICS[k % len(bench.SYSTEM_TOPICS)]
+            body = chat_body(
+                [{"role": "user", "content": f"Story {k}: tell me a long story about {topic}."}],
+                rng.randrange(192, 384),  # desynchronized restarts
+            )
+            try:
+                sock, req = open_stream(self.port, "/v1/chat/completions", body)
+            except OSError as exc:
+                if not self.stop_ev.is_set():
+                    print(f"  background client: {exc}", flush=True)
+                return
+            self.socks[i] = sock
+            if self.stop_ev.is_set():
+                sock.close()
+                return
+            res = Reply()
+            read_stream(sock, req, res, self.stop_ev, lambda: self.generating.__setitem__(i, True))
+            self.generating[i] = False
+            if not self.stop_ev.is_set() and (res.status != 200 or not res.t_done):
+                print(f"  background stream failed: {bytes(res.raw[:300])!r}", flush=True)
+                time.sleep(1)
+
+    def active(self) -> int:
+        return sum(self.generating)
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+        deadline = time.monotonic() + 120
+        while self.active() < self.n:
+            if time.monotonic() > deadline:
+                sys.exit("conversation: the background streams do not all start")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.stop_ev.set()
+        for s in self.socks:
+            if s is not None:
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        for t in self.threads:
+            t.join(30)
+
+
+# --- the servers -------------------------------------------------------------------------
+
+
+class Proc:
+    """A server process logging to a file, up once ``health`` answers 200."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, log: Path, **kw: Any) -> None:
+        self.name, self.cmd, self.port = name, cmd, port
+        self.log = open(log, "w")  # noqa: SIM115 - open for the life of the server
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, **kw)
+        deadline = time.monotonic() + 180
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                    return
+            except OSError:
+                time.sleep(0.2)
+        self.close()
+        sys.exit(f"conversation: {name} did not come up (rc {self.proc.returncode}), see {log}")
+
+    def get(self, path: str) -> Any:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=10) as r:
+            return json.loads(r.read())
+
+    def busy(self) -> bool:
+        if self.name == "sluice":
+            slots = self.get("/health")["slots"]
+            return bool(slots["active"] or slots["queued"])
+        return any(s.get("is_processing") for s in self.get("/slots"))
+
+    def wait_idle(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while self.busy():
+            if time.monotonic() > deadline:
+                sys.exit(f"conversation: {self.name} stays busy")
+            time.sleep(0.05)
+        time.sleep(0.1)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def start_server(name: str, tmp: Path, rnd: int) -> Proc:
+    port = bench.free_port()
+    log = tmp / f"{name}-round{rnd}.log"
+    if name == "sluice":
+        cmd = [sys.executable, "-m", "sluice", "serve", "--threads", "1"]
+        cmd += ["--parallel", str(PARALLEL), "--ctx", str(CTX), "--cache-ram", str(CACHE_RAM_MB)]
+        cmd += ["--store", str(tmp / f"store-round{rnd}.sqlite"), "--log-level", "warning"]
+        env = {**os.environ, "SLUICE_MODELS_DIR": str(tmp / "models")}
+        return Proc(name, [*cmd, "--port", str(port)], port, log, cwd=REPO, env=env)
+    cmd = [str(ensure_llama_server()), "-m", str(bench.model_path()), "-t", "1"]
+    cmd += ["-np", str(PARALLEL), "-c", str(PARALLEL * CTX), "--cache-ram", str(CACHE_RAM_MB)]
+    cmd += ["--host", "127.0.0.1", "--port", str(port)]
+    return Proc(name, cmd, port, log)
+
+
+def prompt_cache_stats(srv: Proc) -> dict[str, Any]:
+    """sluice's prompt cache figures (entries, bytes, restores) from ``/health``."""
+    found: dict[str, Any] = {}
+
+    def walk(x: Any) -> None:
+        if isinstance(x, dict):
+            if "prompt_cache" in x:
+                found.update(x["prompt_cache"])
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+
+    walk(srv.get("/health"))
+    return found
+
+
+# --- one round on one server ----------------------------------------------------------------
+
+
+def run_server(srv: Proc, args: argparse.Namespace) -> dict[str, Any]:
+    is_sluice = srv.name == "sluice"
+    out: dict[str, Any] = {"turns": []}
+    # Warm-up: first-request code paths; nothing of it is reused below.
+    stream(srv.port, "/v1/chat/completions", chat_body([{"role": "user", "content": "Hi."}], 4))
+    srv.wait_idle()
+    noise = bench.Noise([srv.proc.pid])
+    noise.wait_quiet(args.quiet, args.quiet_timeout)
+    noise.start()
+
+    # 1. the conversation, every other slot generating
+    bg = Background(srv.port, args.background)
+    bg.start()
+    history: list[dict[str, str]] = []
+    conv_id = None
+    for i, msg in enumerate(turn_messages(args.turns, args.words)):
+        active = bg.active()
+        if is_sluice:
+            body = chat_body([], args.tokens)
+            del body["messages"]
+            body["message"] = msg
+            if conv_id:
+                body["conversation_id"] = conv_id
+            res = stream(srv.port, "/c1/chat", body)
+            conv_id = res.headers.get("x-conversation-id")
+            if not conv_id:
+                sys.exit("conversation: /c1/chat sent no x-conversation-id")
+        else:
+            history.append({"role": "user", "content": msg})
+            res = stream(srv.port, "/v1/chat/completions", chat_body(history, args.tokens))
+            history.append({"role": "assistant", "content": res.parsed()["text"]})
+        turn = usage_of(res) | {"background_active": [active, bg.active()]}
+        turn["text"] = res.parsed()["text"]
+        out["turns"].append(turn)
+        print(
+            f"    turn {i + 1:2d}: TTFT {turn['ttft_ms']:7.0f} ms  prompt {turn['prompt_tokens']}"
+            f"  cached {turn['cached_tokens']}  background {active}/{args.background}",
+            flush=True,
+        )
+        time.sleep(args.think)
+    if is_sluice:
+        out["prompt_cache_after_turns"] = prompt_cache_stats(srv)
+    if is_sluice:  # the history as the store keeps it (the last answer is stored as it ends)
+        deadline = time.monotonic() + 10
+        while len(msgs := srv.get(f"/c1/conversations/{conv_id}")["messages"]) < 2 * args.turns:
+            if time.monotonic() > deadline:
+                sys.exit(f"conversation: the store holds {len(msgs)} messages")
+            time.sleep(0.02)
+        history = [{"role": m["role"], "content": m["content"]} for m in msgs]
+    out["conversation_id"] = conv_id
+
+    # 2. the cold reference: the last turn's whole prompt, one word added at the start
+    last = [dict(m) for m in history[:-1]]  # up to the last user message
+    assert last[-1]["role"] == "user" and last[0]["role"] == "user"
+    last[0]["content"] = "Copy. " + last[0]["content"]
+    res = stream(srv.port, "/v1/chat/completions", chat_body(last, 4))
+    out["cold_last_turn"] = usage_of(res) | {"background_active": bg.active()}
+    print(
+        f"    cold prefill of the last turn's prompt: TTFT {res.ttft * 1000:7.0f} ms "
+        f"prompt {out['cold_last_turn']['prompt_tokens']} "
+        f"cached {out['cold_last_turn']['cached_tokens']}",
+        flush=True,
+    )
+    bg.stop()
+    out["background_streams"] = bg.started
+    srv.wait_idle()
+
+    # 3. the long prompt, 8 other requests, the long prompt again
+    res = stream(srv.port, "/v1/chat/completions", chat_body(long_prompt(args.long_words), 16))
+    out["long_first"] = usage_of(res)
+    srv.wait_idle()
+    others = streams_at_once(
+        srv.port, [chat_body(other_prompt(k, args.other_words), 16) for k in range(8)]
+    )
+    out["others"] = [usage_of(r) for r in others]
+    srv.wait_idle()
+    res = stream(srv.port, "/v1/chat/completions", chat_body(long_prompt(args.long_words), 16))
+    out["long_resent"] = usage_of(res)
+    print(
+        f"    long prompt ({out['long_first']['prompt_tokens']} tokens): first "
+        f"{out['long_first']['ttft_ms']:.0f} ms, re-sent after 8 others "
+        f"{out['long_resent']['ttft_ms']:.0f} ms (cached {out['long_resent']['cached_tokens']})",
+        flush=True,
+    )
+    out["foreign_cores"] = noise.stop()
+    if is_sluice:
+        out["prompt_cache_end"] = prompt_cache_stats(srv)
+    return out
+
+
+# --- summary and report --------------------------------------------------------------------
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict[str, Any]:
+    med = bench.med
+    s, ls = runs["sluice"], runs["llama-server"]
+    n_turns = len(s[0]["turns"])
+    rows = []
+    for t in range(n_turns):
+        a = [r["turns"][t]["ttft_ms"] for r in s]
+        b = [r["turns"][t]["ttft_ms"] for r in ls]
+        rows.append(
+            {
+                "what": f"turn {t + 1}",
+                "prompt_tokens": [
+                    s[0]["turns"][t]["prompt_tokens"],
+                    ls[0]["turns"][t]["prompt_tokens"],
+                ],
+                "cached_tokens": [
+                    med([r["turns"][t]["cached_tokens"] or 0 for r in s]),
+                    med([r["turns"][t]["cached_tokens"] or 0 for r in ls]),
+                ],
+                "sluice_ms": med(a),
+                "llama_ms": med(b),
+                "rounds_le": sum(x <= y for x, y in zip(a, b)),
+            }
+        )
+    for key, what in (
+        ("cold_last_turn", f"cold: turn {n_turns}'s whole prompt"),
+        ("long_first", "long prompt, first"),
+        ("long_resent", "long prompt, re-sent after 8"),
+    ):
+        a, b = [r[key]["ttft_ms"] for r in s], [r[key]["ttft_ms"] for r in ls]
+        rows.append(
+            {
+                "what": what,
+                "prompt_tokens": [s[0][key]["prompt_tokens"], ls[0][key]["prompt_tokens"]],
+                "cached_tokens": [
+                    med([r[key]["cached_tokens"] or 0 for r in s]),
+                    med([r[key]["cached_tokens"] or 0 for r in ls]),
+                ],
+                "sluice_ms": med(a),
+                "llama_ms": med(b),
+                "rounds_le": sum(x <= y for x, y in zip(a, b)),
+            }
+        )
+    for r in rows:
+        r["ratio"] = r["sluice_ms"] / r["llama_ms"]
+    last, cold = rows[n_turns - 1], rows[n_turns]
+    return {
+        "rows": rows,
+        "rounds": len(s),
+        "last_vs_cold": {
+            "sluice": last["sluice_ms"] / cold["sluice_ms"],
+            "llama-server": last["llama_ms"] / cold["llama_ms"],
+        },
+        "same_answers": [
+            sum(x["text"] == y["text"] for x, y in zip(a["turns"], b["turns"]))
+            for a, b in zip(s, ls)
+        ],
+    }
+
+
+def checks(runs: dict[str, list[dict]], args: argparse.Namespace) -> list[str]:
+    """What makes a figure suspect: turns whose prompt differs in length between the
+    servers (one history lacks something), background streams not all generating when a
+    turn was sent, others' CPU over the threshold, answers cut short."""
+    out = []
+    for rnd, (s, ls) in enumerate(zip(runs["sluice"], runs["llama-server"]), 1):
+        for t, (a, b) in enumerate(zip(s["turns"], ls["turns"]), 1):
+            if a["prompt_tokens"] != b["prompt_tokens"]:
+                out.append(
+                    f"round {rnd} turn {t}: prompt tokens sluice {a['prompt_tokens']} vs "
+                    f"llama-server {b['prompt_tokens']}"
+                )
+    for name, rs in runs.items():
+        for r in rs:
+            idle = [
+                t
+                for t, x in enumerate(r["turns"], 1)
+                if x["background_active"][0] < args.background
+            ]
+            if idle:
+                out.append(
+                    f"{name} round {r['round']}: background not all generating at turns {idle}"
+                )
+            short = [
+                t for t, x in enumerate(r["turns"], 1) if x["completion_tokens"] != args.tokens
+            ]
+            if short:
+                out.append(f"{name} round {r['round']}: answers of another length at turns {short}")
+            if r["foreign_cores"] > args.quiet:
+                out.append(
+                    f"{name} round {r['round']}: other processes used {r['foreign_cores']:.2f} cores"
+                )
+    return out
+
+
+def targets(summary: dict[str, Any]) -> dict[str, bool]:
+    rows = summary["rows"]
+    turns = [r for r in rows if r["what"].startswith("turn ")]
+    resent = next(r for r in rows if r["what"].startswith("long prompt, re-sent"))
+    return {
+        "every_turn_ttft_le_llama_server": all(
+            r["ratio"] <= TARGETS["turn_ttft_ratio_max"] for r in turns
+        ),
+        "resent_ttft_le_llama_server": resent["ratio"] <= TARGETS["resent_ttft_ratio_max"],
+        "last_turn_le_0.25x_cold": summary["last_vs_cold"]["sluice"]
+        <= TARGETS["last_turn_vs_cold_max"],
+    }
+
+
+def table(summary: dict[str, Any], markdown: bool) -> str:
+    head = ["", "prompt tok (sluice/llama)", "cached tok (sluice/llama)", "sluice TTFT ms"]
+    head += ["llama-server TTFT ms", "sluice/llama", "rounds sluice <="]
+    rows = []
+    for r in summary["rows"]:
+        rows.append(
+            [
+                r["what"],
+                "/".join(str(x) for x in r["prompt_tokens"]),
+                "/".join(f"{x:.0f}" for x in r["cached_tokens"]),
+                f"{r['sluice_ms']:.0f}",
+                f"{r['llama_ms']:.0f}",
+                f"{r['ratio']:.2f}",
+                f"{r['rounds_le']}/{summary['rounds']}",
+            ]
+        )
+    return bench.render_table(head, rows, markdown)
+
+
+def write_report(res: dict[str, Any], out_dir: Path) -> None:
+    summary, met, mach, st = res["summary"], res["met"], res["machine"], res["settings"]
+    load = res["load_average"]
+    lvc = summary["last_vs_cold"]
+    n = st["turns"]
+    lines = [
+        (
+            f"turn {n} / cold prefill of its whole prompt: sluice {lvc['sluice']:.3f}, "
+            f"llama-server {lvc['llama-server']:.3f} (target for sluice <= 0.25)"
+        ),
+        "answers identical on both servers (temperature 0), per round: "
+        + ", ".join(f"{k}/{n}" for k in summary["same_answers"]),
+        "others' CPU during a round (cores): "
+        + "; ".join(
+            name + " " + ", ".join(f"{r['foreign_cores']:.2f}" for r in runs)
+            for name, runs in res["runs"].items()
+        ),
+    ]
+    print(f"\n{table(summary, markdown=False)}\n")
+    for line in lines:
+        print(line)
+    for name, ok in met.items():
+        print(f"target {name}: {'met' if ok else 'NOT met'}")
+    print(f"load average: start {load['start']}, end {load['end']}")
+    for c in res["checks"]:
+        print("check:", c)
+    bi = res["llama_server_build"]
+    md = (
+        f"# Conversations and the prompt cache {res['date']}\n\n"
+        f"SmolLM2-135M Q4_1, one conversation of {n} turns (~{st['words']} words each, "
+        f"{st['tokens']} tokens per answer, temperature 0, `ignore_eos`) while "
+        f"{st['background']} background streams keep the other slots generating; then a "
+        f"~{st['long_words']}-word prompt sent, 8 other requests, the prompt again (no "
+        f"background). {st['rounds']} rounds, a fresh server each time, the order swapped "
+        "every round; one server running at a time.\n\n"
+        f"- sluice: `{' '.join(st['cmds']['sluice'])}` (the turns through `POST /c1/chat`, "
+        "only the new message)\n"
+        f"- llama-server: `{' '.join(st['cmds']['llama-server'])}` (the whole history "
+        "through `/v1/chat/completions`, `cache_prompt: true`), built from llama-cpp-python "
+        f"{bi.get('llama_cpp_python')}'s vendored llama.cpp with "
+        f"`{' '.join(bi.get('cmake_flags', []))}`\n\n"
+        f"Machine: {mach['cpu_model']}, {mach['cores']} cores; Python {mach['python']}, "
+        f"llama-cpp-python {mach['llama_cpp_python']}; git {str(mach['git_commit'])[:10]}"
+        f"{' (src dirty)' if mach['git_dirty'] else ''}; load average {load['start']} -> "
+        f"{load['end']}.\n\n"
+        + (f"Note: {st['note']}\n\n" if st["note"] else "")
+        + table(summary, markdown=True)
+        + "\n\nTTFT = request sent -> first chunk with content (client side), median over "
+        "rounds; rounds sluice <= = rounds where sluice's TTFT was at or below llama-server's "
+        "in the same round. cold = the last turn's whole prompt with one word added at the "
+        "start of the first user message (nothing cached beyond the template's system part), "
+        "under the same background load. Prompt tokens as each server reports them (round "
+        "1).\n\n"
+        + "".join(f"- {line}\n" for line in lines)
+        + "\nTargets: "
+        + "; ".join(f"{k}: {'met' if ok else 'NOT met'}" for k, ok in met.items())
+        + ".\n"
+        + "".join(f"\n- check: {c}" for c in res["checks"])
+        + f"\n\nReproduce: `{st['reproduce']}`\n"
+    )
+    stem = out_dir / f"conversation-{res['stamp']}"
+    stem.with_suffix(".json").write_text(json.dumps(res, indent=2) + "\n")
+    stem.with_suffix(".md").write_text(md)
+    print(f"wrote {stem}.json and {stem}.md")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--quick", action="store_true", help="1 round, 4 turns, shorter prompts")
+    ap.add_argument("--rounds", type=int, default=None, help="rounds (default 2, --quick 1)")
+    ap.add_argument("--turns", type=int, default=None, help="turns (default 10, --quick 4)")
+    ap.add_argument("--words", type=int, default=150, help="words per user message")
+    ap.add_argument("--tokens", type=int, default=None, help="tokens per answer (default 64)")
+    ap.add_argument("--long-words", type=int, default=None, help="the long prompt (~2000 tok)")
+    ap.add_argument("--other-words", type=int, default=150, help="the 8 other prompts")
+    ap.add_argument("--background", type=int, default=PARALLEL - 1, help="background streams")
+    ap.add_argument("--think", type=float, default=0.0, help="seconds between turns")
+    ap.add_argument("--servers", default=",".join(SERVERS))
+    ap.add_argument("--quiet", type=float, default=0.3, help="noise threshold, in cores")
+    ap.add_argument("--quiet-timeout", type=float, default=30.0)
+    ap.add_argument("--out-dir", type=Path, default=HERE / "results")
+    ap.add_argument("--note", default="", help="a note stored with the results")
+    args = ap.parse_args()
+    reproduce = ".venv/bin/python benchmarks/conversation.py" + " --quick" * args.quick
+    reproduce += f" --rounds {args.rounds}" * bool(args.rounds)
+    reproduce += f" --think {args.think:g}" * bool(args.think)
+    args.rounds = args.rounds or (1 if args.quick else 2)
+    args.turns = args.turns or (4 if args.quick else 10)
+    args.tokens = args.tokens or (32 if args.quick else 64)
+    args.long_words = args.long_words or (500 if args.quick else 1500)
+    servers = tuple(s for s in SERVERS if s in args.servers.split(","))
+    binary = ensure_llama_server()  # built (once) before anything is timed
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    started, load_start = _dt.datetime.now().astimezone(), bench.loadavg()
+    tmp = Path(tempfile.mkdtemp(prefix="sluice-conversation-"))
+    (tmp / "models").mkdir()
+    print(f"conversation: rounds={args.rounds} turns={args.turns} servers={servers}; logs in {tmp}")
+    runs: dict[str, list[dict]] = {s: [] for s in servers}
+    cmds: dict[str, list[str]] = {}
+    for rnd in range(args.rounds):
+        order = servers[rnd % len(servers) :] + servers[: rnd % len(servers)]
+        for name in order:
+            print(f"  round {rnd + 1}/{args.rounds}: {name}", flush=True)
+            srv = start_server(name, tmp, rnd + 1)
+            cmds[name] = srv.cmd
+            try:
+                runs[name].append(run_server(srv, args) | {"round": rnd + 1})
+            finally:
+                srv.close()
+    if set(servers) != set(SERVERS):
+        print(json.dumps(runs, indent=1)[:4000])
+        return
+    summary = summarize(runs)
+    res = {
+        "date": started.isoformat(timespec="seconds"),
+        "stamp": started.strftime("%Y-%m-%d-%H%M%S"),
+        "machine": bench.machine_info(),
+        "llama_server_build": build_info(binary),
+        "load_average": {"start": load_start, "end": bench.loadavg()},
+        "settings": {
+            "rounds": args.rounds,
+            "turns": args.turns,
+            "words": args.words,
+            "tokens": args.tokens,
+            "long_words": args.long_words,
+            "other_words": args.other_words,
+            "background": args.background,
+            "think_s": args.think,
+            "cmds": {
+                k: [str(Path(a).name) if a.startswith(str(tmp)) else a for a in v]
+                for k, v in cmds.items()
+            },
+            "note": args.note,
+            "reproduce": reproduce,
+        },
+        "targets": TARGETS,
+        "met": {},
+        "summary": summary,
+        "runs": runs,
+    }
+    res["met"] = targets(summary)
+    res["checks"] = checks(runs, args)
+    write_report(res, args.out_dir)
+
+
+if __name__ == "__main__":
+    main()
