@@ -57,6 +57,7 @@ import json
 import os
 import random
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -668,8 +669,11 @@ def write_report(res: dict[str, Any], out_dir: Path) -> None:
             f"turn {n} / cold prefill of its whole prompt: sluice {lvc['sluice']:.3f}, "
             f"llama-server {lvc['llama-server']:.3f} (target for sluice <= 0.25)"
         ),
-        "answers identical on both servers (temperature 0), per round: "
-        + ", ".join(f"{k}/{n}" for k in summary["same_answers"]),
+        "answers with the same text on both servers, per round: "
+        + ", ".join(f"{k}/{n}" for k in summary["same_answers"])
+        + " (greedy on both, the same token counts; the texts part after a few dozen tokens "
+        "since the servers batch the sequences differently and llama.cpp's rounding depends "
+        "on the batch shape)",
         "others' CPU during a round (cores): "
         + "; ".join(
             name + " " + ", ".join(f"{r['foreign_cores']:.2f}" for r in runs)
@@ -733,7 +737,12 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=None, help="turns (default 10, --quick 4)")
     ap.add_argument("--words", type=int, default=150, help="words per user message")
     ap.add_argument("--tokens", type=int, default=None, help="tokens per answer (default 64)")
-    ap.add_argument("--long-words", type=int, default=None, help="the long prompt (~2000 tok)")
+    ap.add_argument(
+        "--long-words",
+        type=int,
+        default=None,
+        help="the long prompt, words (default 1700: ~2000 tokens)",
+    )
     ap.add_argument("--other-words", type=int, default=150, help="the 8 other prompts")
     ap.add_argument("--background", type=int, default=PARALLEL - 1, help="background streams")
     ap.add_argument("--think", type=float, default=0.0, help="seconds between turns")
@@ -742,14 +751,20 @@ def main() -> None:
     ap.add_argument("--quiet-timeout", type=float, default=30.0)
     ap.add_argument("--out-dir", type=Path, default=HERE / "results")
     ap.add_argument("--note", default="", help="a note stored with the results")
+    ap.add_argument("--report", type=Path, help="rewrite the .md of a results .json, no run")
     args = ap.parse_args()
+    if args.report:
+        res = json.loads(args.report.read_text())
+        write_report(res, args.report.parent)
+        return
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # servers closed on the way out
     reproduce = ".venv/bin/python benchmarks/conversation.py" + " --quick" * args.quick
     reproduce += f" --rounds {args.rounds}" * bool(args.rounds)
     reproduce += f" --think {args.think:g}" * bool(args.think)
     args.rounds = args.rounds or (1 if args.quick else 2)
     args.turns = args.turns or (4 if args.quick else 10)
     args.tokens = args.tokens or (32 if args.quick else 64)
-    args.long_words = args.long_words or (500 if args.quick else 1500)
+    args.long_words = args.long_words or (500 if args.quick else 1700)
     servers = tuple(s for s in SERVERS if s in args.servers.split(","))
     binary = ensure_llama_server()  # built (once) before anything is timed
     args.out_dir.mkdir(parents=True, exist_ok=True)
