@@ -55,23 +55,31 @@ class Recorder:
         self._error: SluiceError | None = None
         self._recorded: Message | None = None
         self._closed = False
+        self._recording = False  # the turn is being (or has been) stored: only once
 
     def __aiter__(self) -> AsyncIterator[Event]:
         return self._events()
 
     async def _events(self) -> AsyncIterator[Event]:
+        # The turn is stored as soon as the events end, before the dialect's closing
+        # frames ([DONE], the error frame) go out: a client that sends its next turn
+        # the moment it has read them must find this one in the history.
         try:
             async for event in self._stream:
                 if isinstance(event, ErrorEvent):
                     self._error = as_sluice_error(event.error)
-                else:
-                    self._fold.add(event)
-                    if isinstance(event, Finish):
-                        self._finished.add(event.choice)
+                    await self._record()
+                    yield event
+                    return
+                self._fold.add(event)
+                if isinstance(event, Finish):
+                    self._finished.add(event.choice)
                 yield event
         except SluiceError as exc:
             self._error = exc
+            await self._record()
             raise
+        await self._record()
 
     @property
     def error(self) -> SluiceError | None:
@@ -87,7 +95,8 @@ class Recorder:
         return self._recorded
 
     async def aclose(self) -> None:
-        """Abort what still runs, then store the turn (once)."""
+        """Abort what still runs, then store the turn if the events did not end yet
+        (the client went away: it is stored incomplete). Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -97,6 +106,9 @@ class Recorder:
             await self._record()
 
     async def _record(self) -> None:
+        if self._recording:
+            return
+        self._recording = True
         choice = self._fold.choices.get(0)
         complete = self._error is None and set(range(self.meta.choices)) <= self._finished
         status: MessageStatus = (
