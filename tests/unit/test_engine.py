@@ -110,19 +110,23 @@ def test_concurrent_streams_are_batched_not_serialized() -> None:
 
 def test_active_sequences_are_compacted_onto_consecutive_ids() -> None:
     """llama.cpp runs one ubatch per run of consecutive seq ids: keep them dense."""
-    lengths = {0: 30, 1: 4, 2: 30, 3: 6}  # 1 and 3 finish early and leave holes
+    lengths = {0: 60, 1: 4, 2: 60, 3: 6}  # 1 and 3 finish early and leave holes
     scripts = {
         prompt_for(f"d{i}"): [f"<{i}:{k}>".encode() for k in range(n)] + [EOS]
         for i, n in lengths.items()
     }
     runner = ScriptedRunner(scripts, step_delay=0.005)
     with scripted_server(runner, parallel=4, queue=4) as base:
-        jobs = [
-            Background(
-                lambda i=i: post_stream(base, CHAT, {"messages": user(f"d{i}"), "stream": True})
+        jobs = []
+        for i in range(4):
+            # Staggered, so that request i takes seq i: the holes are then at low ids
+            # (sent all at once, the short ones could land on the top ids: no hole).
+            jobs.append(
+                Background(
+                    lambda i=i: post_stream(base, CHAT, {"messages": user(f"d{i}"), "stream": True})
+                )
             )
-            for i in range(4)
-        ]
+            time.sleep(0.04)
         results: list[StreamResult] = [job.result() for job in jobs]
         for i, res in enumerate(results):
             # Moved sequences keep their own output: the KV cache moved with them.
