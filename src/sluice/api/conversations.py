@@ -24,8 +24,14 @@ from starlette.responses import Response
 
 from sluice.api.body import read_body
 from sluice.api.keys import key_name
-from sluice.api.routes import _field_path, _json, _validate, _wants_sse
-from sluice.api.sse import SSEResponse, error_response, run_until_disconnect, sse_stream
+from sluice.api.routes import field_path, validate_body, wants_sse
+from sluice.api.sse import (
+    SSEResponse,
+    error_response,
+    json_response,
+    run_until_disconnect,
+    sse_stream,
+)
 from sluice.errors import ConversationNotFound, InvalidRequest, ShuttingDown, SluiceError
 from sluice.protocol.body import BodyLimits, check_body_limits, parse_json_body, paused_gc
 from sluice.protocol.openai import ChatCompletionRequest, ChatMessage
@@ -77,7 +83,7 @@ def _read_turn(raw: bytes, limits: BodyLimits) -> _Turn:
         ChatMessage.model_validate({"role": "user", "content": message})
     except ValidationError as exc:
         first = exc.errors()[0]
-        where = _field_path(first["loc"][1:], message)
+        where = field_path(first["loc"][1:], message)
         raise InvalidRequest(
             f"Invalid 'message{('.' + where) if where and not where.startswith('[') else where}'"
             f": {first['msg']} (a string or OpenAI content parts)",
@@ -129,7 +135,7 @@ def _chat_request(turn: _Turn, history: list[dict[str, Any]], limits: BodyLimits
     data = dict(turn.rest)
     data["messages"] = [*history, {"role": "user", "content": turn.message}]
     check_body_limits(data, limits)
-    body = _validate(data, ChatCompletionRequest)
+    body = validate_body(data, ChatCompletionRequest)
     return body, body.to_request()
 
 
@@ -146,7 +152,7 @@ async def chat(request: Request) -> Response:
         turn = await state.offload.run(lambda: _read_turn(raw, state.limits))
     except SluiceError as exc:
         return error_response(exc)
-    sse = turn.stream and _wants_sse(request)
+    sse = turn.stream and wants_sse(request)
     conversation: Conversation | None = None
     history: list[dict[str, Any]] = []
     try:
@@ -232,7 +238,7 @@ async def _answer(
     await close()  # stored before the answer is sent: an acknowledged turn is durable
     if result is None:
         return Response(status_code=499)
-    response = _json(result)
+    response = json_response(result)
     response.headers.update(headers)
     return response
 
@@ -297,7 +303,7 @@ async def list_conversations(request: Request) -> Response:
     page, total = await state.store.list_conversations(
         owner=key_name(request), user_id=user_id, limit=limit, offset=offset
     )
-    return _json(
+    return json_response(
         {
             "object": "list",
             "data": [_conversation(c) for c in page],
@@ -323,7 +329,9 @@ async def _owned(request: Request) -> Conversation:
 async def get_conversation(request: Request) -> Response:
     conversation = await _owned(request)
     messages = await _state(request).store.messages(conversation.id)
-    return _json(_conversation(conversation) | {"messages": [_message(m) for m in messages]})
+    return json_response(
+        _conversation(conversation) | {"messages": [_message(m) for m in messages]}
+    )
 
 
 async def delete_conversation(request: Request) -> Response:
@@ -331,4 +339,4 @@ async def delete_conversation(request: Request) -> Response:
     await _state(request).store.delete_conversation(
         conversation.id, owner=conversation.owner, user_id=conversation.user_id
     )
-    return _json({"id": conversation.id, "object": "conversation.deleted", "deleted": True})
+    return json_response({"id": conversation.id, "object": "conversation.deleted", "deleted": True})

@@ -38,7 +38,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from sluice.api.body import read_body
-from sluice.api.sse import dumps
+from sluice.api.sse import json_response
 from sluice.catalog import ModelSpec, resolve_source
 from sluice.config import Settings
 from sluice.errors import (
@@ -91,10 +91,6 @@ class InstanceNotLoaded(ModelNotFound):
 
 def _state(request: Request) -> ServerState:
     return request.app.state.sluice  # type: ignore[no-any-return]
-
-
-def _json(data: Any, status: int = 200) -> Response:
-    return Response(dumps(data), status, media_type="application/json")
 
 
 def _lms_error_response(exc: SluiceError) -> Response:
@@ -263,7 +259,7 @@ async def list_models(request: Request) -> Response:
     files = await state.offload.run(
         lambda: read_all_model_files([spec for spec, _ in listed], state.settings)
     )
-    return _json({"models": [model_entry(spec, s, files[spec.name]) for spec, s in listed]})
+    return json_response({"models": [model_entry(spec, s, files[spec.name]) for spec, s in listed]})
 
 
 # -- load and unload --------------------------------------------------------------------
@@ -320,7 +316,7 @@ async def load_model(request: Request) -> Response:
     if body.echo_load_config:
         model = state.registry.get_loaded(spec.name)
         out["load_config"] = _config(model.load_config()) if model is not None else {}
-    return _json(out)
+    return json_response(out)
 
 
 @_lmstudio
@@ -338,7 +334,7 @@ async def unload_model(request: Request) -> Response:
         await state.registry.unload(spec.name)
     except ModelNotFound:  # unloaded (TTL, another request) since the look above
         raise InstanceNotLoaded(body.instance_id) from None
-    return _json({"instance_id": spec.name})
+    return json_response({"instance_id": spec.name})
 
 
 # -- downloads --------------------------------------------------------------------------
@@ -373,14 +369,14 @@ async def download_model(request: Request) -> Response:
         ) from exc
     if job.status == "already_downloaded":
         # LM Studio's answer has no job then; "model" (the key) is sluice's addition.
-        return _json({"status": "already_downloaded", "model": job.model})
-    return _json(job.status_dict())
+        return json_response({"status": "already_downloaded", "model": job.model})
+    return json_response(job.status_dict())
 
 
 @_lmstudio
 async def download_status(request: Request) -> Response:
     job = _state(request).downloads.get(request.path_params["job_id"])
-    return _json(job.status_dict())
+    return json_response(job.status_dict())
 
 
 ROUTES: list[Route] = [

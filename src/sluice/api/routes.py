@@ -16,9 +16,9 @@ from sluice.api import info
 from sluice.api.body import read_body
 from sluice.api.sse import (
     SSEResponse,
-    dumps,
     error_frame,
     error_response,
+    json_response,
     run_until_disconnect,
     sse_stream,
 )
@@ -52,16 +52,12 @@ def _state(request: Request) -> ServerState:
     return request.app.state.sluice  # type: ignore[no-any-return]
 
 
-def _json(data: Any, status: int = 200) -> Response:
-    return Response(dumps(data), status, media_type="application/json")
-
-
-def _validate(data: dict[str, Any], model: type[M]) -> M:
+def validate_body(data: dict[str, Any], model: type[M]) -> M:
     try:
         parsed = model.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
-        loc = _field_path(first["loc"], data, missing=first["type"] == "missing")
+        loc = field_path(first["loc"], data, missing=first["type"] == "missing")
         raise InvalidRequest(f"Invalid '{loc}': {first['msg']}", param=loc or None) from exc
     unknown = parsed.unknown_fields()  # type: ignore[attr-defined]
     if unknown:
@@ -69,7 +65,7 @@ def _validate(data: dict[str, Any], model: type[M]) -> M:
     return parsed
 
 
-def _field_path(loc: tuple[int | str, ...], data: Any, *, missing: bool = False) -> str:
+def field_path(loc: tuple[int | str, ...], data: Any, *, missing: bool = False) -> str:
     """``messages[0].content`` from pydantic's location, without its union-member tags.
 
     Pydantic puts the member it tried into the location (``prompt.str``,
@@ -92,7 +88,7 @@ def _field_path(loc: tuple[int | str, ...], data: Any, *, missing: bool = False)
     return path
 
 
-def _wants_sse(request: Request) -> bool:
+def wants_sse(request: Request) -> bool:
     return "text/event-stream" in request.headers.get("accept", "")
 
 
@@ -154,7 +150,7 @@ def _parse(
         stream = data.get("stream") is True
         try:
             check_body_limits(data, limits)
-            body = _validate(data, model)
+            body = validate_body(data, model)
             return _Parsed(stream, body=body, request=body.to_request())
         except SluiceError as exc:
             return _Parsed(stream, error=exc)
@@ -189,10 +185,10 @@ async def _complete(
         assert parsed.error is not None
         # A streaming call that asked for SSE gets its validation error as one
         # error frame too (spec 000: no role frame, the validation message).
-        return error_response(parsed.error, sse=parsed.stream and _wants_sse(request))
+        return error_response(parsed.error, sse=parsed.stream and wants_sse(request))
     body, neutral = parsed.body, parsed.request
     chat = isinstance(body, ChatCompletionRequest)
-    sse = body.stream and _wants_sse(request)
+    sse = body.stream and wants_sse(request)
     try:
         # A model that is not loaded loads here (the stream waits for it), then the
         # request is validated against it: the role frame still comes only after.
@@ -237,7 +233,7 @@ async def _complete(
         await close()
     if result is None:  # the client went away; nobody reads this
         return Response(status_code=499)
-    response = _json(result)
+    response = json_response(result)
     response.headers.update(headers)
     return response
 
@@ -253,7 +249,7 @@ async def _passthrough(
             path, parsed.forward, {"accept": accept} if accept else None
         )
     except SluiceError as exc:  # no replica answered: 502, or 503 when all are down
-        return error_response(exc, sse=parsed.stream and _wants_sse(request))
+        return error_response(exc, sse=parsed.stream and wants_sse(request))
     if answer.streaming:
 
         async def forward() -> AsyncIterator[bytes]:
@@ -333,7 +329,7 @@ async def list_models(request: Request) -> Response:
     state = _state(request)
     data = [_model_entry(state, spec, status) for spec, status in _models(state)]
     data += [entry for _, entry in _upstream_entries(state)]
-    return _json({"object": "list", "data": data})
+    return json_response({"object": "list", "data": data})
 
 
 async def get_model(request: Request) -> Response:
@@ -341,10 +337,10 @@ async def get_model(request: Request) -> Response:
     model_id = request.path_params["model_id"].lower()
     for spec, status in _models(state):
         if model_id in spec.lookup_keys():
-            return _json(_model_entry(state, spec, status))
+            return json_response(_model_entry(state, spec, status))
     for keys, entry in _upstream_entries(state):
         if model_id in keys:
-            return _json(entry)
+            return json_response(entry)
     raise ModelNotFound(request.path_params["model_id"])
 
 
@@ -378,4 +374,4 @@ async def health(request: Request) -> Response:
     for key in ("slots", "engine"):
         if key in models.get(default, {}):
             body[key] = models[default][key]
-    return _json(body)
+    return json_response(body)

@@ -43,6 +43,11 @@ def dumps(data: Any) -> str:
     return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
 
 
+def json_response(data: Any, status: int = 200) -> Response:
+    """A JSON body encoded as every route encodes it (non-ASCII kept, compact)."""
+    return Response(dumps(data), status, media_type="application/json")
+
+
 def encode(frame: Frame) -> bytes:
     if isinstance(frame.data, str):
         data = frame.data
