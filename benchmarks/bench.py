@@ -791,6 +791,24 @@ def summarize(
     return out
 
 
+def targets_and_checks(met: dict[str, bool], checks: list[str], reproduce: str) -> str:
+    """A report's closing Markdown: each target met or not, the sanity checks, the command."""
+    return (
+        "; ".join(f"{name}: {'met' if ok else 'NOT met'}" for name, ok in met.items())
+        + ".\n"
+        + "".join(f"\n- check: {c}" for c in checks)
+        + f"\n\nReproduce: `{reproduce}`\n"
+    )
+
+
+def save_report(out_dir: Path, stem: str, doc: dict[str, Any], md: str) -> None:
+    """``<stem>.json`` (the whole result) and ``<stem>.md`` in ``out_dir``."""
+    path = out_dir / stem
+    path.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
+    path.with_suffix(".md").write_text(md)
+    print(f"wrote {path}.json and {path}.md")
+
+
 def render_table(head: list[str], rows: list[list[str]], markdown: bool) -> str:
     """A Markdown table, or a right-aligned plain-text one."""
     if markdown:

@@ -717,15 +717,9 @@ def write_report(res: dict[str, Any], out_dir: Path) -> None:
         "1).\n\n"
         + "".join(f"- {line}\n" for line in lines)
         + "\nTargets: "
-        + "; ".join(f"{k}: {'met' if ok else 'NOT met'}" for k, ok in met.items())
-        + ".\n"
-        + "".join(f"\n- check: {c}" for c in res["checks"])
-        + f"\n\nReproduce: `{st['reproduce']}`\n"
+        + bench.targets_and_checks(met, res["checks"], st["reproduce"])
     )
-    stem = out_dir / f"conversation-{res['stamp']}"
-    stem.with_suffix(".json").write_text(json.dumps(res, indent=2) + "\n")
-    stem.with_suffix(".md").write_text(md)
-    print(f"wrote {stem}.json and {stem}.md")
+    bench.save_report(out_dir, f"conversation-{res['stamp']}", res, md)
 
 
 def main() -> None:

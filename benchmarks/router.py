@@ -584,15 +584,9 @@ def write_report(res: dict[str, Any], out_dir: Path) -> None:
         "Identical bytes (same request, temperature 0, seed 42, after a warm-up):\n\n"
         + "".join(f"- {line}\n" for line in ident_lines(ident))
         + "\nTargets (sluice, at 1 and 8 streams): "
-        + "; ".join(f"{n}: {'met' if ok else 'NOT met'}" for n, ok in met.items())
-        + ".\n"
-        + "".join(f"\n- check: {c}" for c in res["checks"])
-        + f"\n\nReproduce: `{st['reproduce']}`\n"
+        + bench.targets_and_checks(met, res["checks"], st["reproduce"])
     )
-    stem = out_dir / f"router-{res['stamp']}"
-    stem.with_suffix(".json").write_text(json.dumps(res, indent=2) + "\n")
-    stem.with_suffix(".md").write_text(md)
-    print(f"wrote {stem}.json and {stem}.md")
+    bench.save_report(out_dir, f"router-{res['stamp']}", res, md)
 
 
 def main() -> None:
