@@ -68,6 +68,7 @@ class ScriptedRunner:
     n_seq_max: int = 4
     n_batch: int = 64
     step_delay: float = 0.0  # seconds each decode takes
+    token_delay: float = 0.0  # and seconds per token in it (prefill costs by the token)
     chat_template: str | None = CHATML
     partial_keep: bool = True  # False: behave like a cache that cannot drop a suffix
     dense_sequences: bool = True  # the engine compacts active sequences onto low ids
@@ -168,8 +169,8 @@ class ScriptedRunner:
         return len(hist)
 
     def decode(self, entries: list[BatchEntry]) -> None:
-        if self.step_delay:
-            time.sleep(self.step_delay)
+        if self.step_delay or self.token_delay:
+            time.sleep(self.step_delay + self.token_delay * sum(len(e.tokens) for e in entries))
         self.decodes.append(list(entries))
         if self._fail_next:
             self._fail_next = False

@@ -44,6 +44,14 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         f"a prompt comes back after its slot was reused; 0: off (default: {d.cache_ram_mb})",
     )
     p.add_argument(
+        "--prefill-budget",
+        type=float,
+        help="while other sequences are generating, a step spends at most this many times "
+        "their decode time (measured) prefilling a long prompt, so their gap between tokens "
+        "grows to about (1 + this)x meanwhile; a prompt that fits in one batch (--batch) is "
+        f"prefilled whole, at once (default: {d.prefill_budget})",
+    )
+    p.add_argument(
         "--api-key",
         help="require 'Authorization: Bearer <key>' on every route but /health; this key is "
         "named 'default'; more named keys: SLUICE_API_KEYS='name:key,...' or the config "

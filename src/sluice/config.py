@@ -41,6 +41,10 @@ class Settings:
     # RAM per loaded model for the KV state of prompts whose slot was reused (llama-server's
     # --cache-ram); 0: off. 2 GiB holds ~60 prompts of 1500 tokens of SmolLM2-135M.
     cache_ram_mb: int = 2048
+    # While other sequences generate, a step prefills a long prompt for at most this many
+    # times their decode time (measured), so their token gap grows to ~(1 + it)x meanwhile;
+    # prompts that fit in one batch are prefilled whole. 0: the minimum (8 tokens a step).
+    prefill_budget: float = 2.0
     # http
     host: str = "127.0.0.1"
     port: int = 8080

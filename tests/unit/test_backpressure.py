@@ -52,18 +52,18 @@ def test_plan_leaves_paused_slots_out() -> None:
         SlotView(2, PRE, prompt_remaining=50, paused=True),
         SlotView(3, PRE, prompt_remaining=900, admitted_at=1),
     ]
-    plan = plan_batch(slots, 512, prefill_while_decoding=128)
+    plan = plan_batch(slots, 512, prefill_budget=128)
     assert plan == [Planned(1, 1, False), Planned(3, 128, True)]
 
 
 def test_plan_prefill_is_not_capped_when_every_generating_slot_is_paused() -> None:
     slots = [SlotView(0, GEN, paused=True), SlotView(1, PRE, prompt_remaining=900)]
-    assert plan_batch(slots, 512, prefill_while_decoding=128) == [Planned(1, 512, True)]
+    assert plan_batch(slots, 512, prefill_budget=128) == [Planned(1, 512, True)]
 
 
 def test_plan_is_empty_when_everything_is_paused() -> None:
     slots = [SlotView(0, GEN, paused=True), SlotView(1, PRE, prompt_remaining=9, paused=True)]
-    assert plan_batch(slots, 512, prefill_while_decoding=128) == []
+    assert plan_batch(slots, 512, prefill_budget=128) == []
 
 
 # -- helpers ------------------------------------------------------------------------------

@@ -13,6 +13,8 @@ import pytest
 from fakes import EOS, FakeSampler, ScriptedRunner, chat_prompt
 from openai import OpenAI
 
+from sluice.engine.scheduler import PrefillPacer
+
 from .helpers import (
     CHAT,
     TEXT,
@@ -347,6 +349,38 @@ def test_long_prefill_is_chunked_beside_a_generating_sequence() -> None:
         first_long = arrivals["long"][0]
         during = [t for t in arrivals["short"] if t < first_long]
         assert len(during) >= 10
+
+
+def test_long_prefill_beside_a_generating_sequence_is_paced_by_time() -> None:
+    """Chunks sized from measured times (PrefillPacer) while another sequence generates;
+    whole batches once it is done."""
+    runner = ScriptedRunner(n_batch=64, step_delay=0.004, token_delay=0.001)
+    runner.scripts["short"] = [b"s"] * 15 + [EOS]
+    runner.scripts["L" * 220] = [b"long", EOS]
+    with scripted_server(runner, parallel=2) as base:
+        seen: list[str] = []
+
+        def consume() -> None:
+            body = {"prompt": "short", "max_tokens": 100, "stream": True}
+            with httpx.stream("POST", base + TEXT, json=body, timeout=20) as r:
+                seen.extend(r.iter_lines())
+
+        short = Background(consume)
+        wait_until(lambda: len(seen) >= 3)
+        body = {"prompt": "L" * 220, "max_tokens": 5}
+        assert httpx.post(base + TEXT, json=body, timeout=20).status_code == 200
+        short.result()
+    short_seq = seq_entries(runner, "s")[0][1]
+    beside, alone = [], []
+    for i, _, n in seq_entries(runner, "L"):
+        generating = any(e.seq == short_seq and len(e.tokens) == 1 for e in runner.decodes[i])
+        (beside if generating else alone).append(n)
+    assert sum(beside) + sum(alone) == 220
+    # ~5 ms decode steps and 1 ms per prompt token: 2 x 5 ms is ~10 tokens, the first
+    # chunk a guess before any prefill was measured.
+    assert len(beside) >= 5 and max(beside) <= PrefillPacer.FIRST_GUESS
+    assert sorted(beside)[len(beside) // 2] <= 20
+    assert alone and max(alone) == 64
 
 
 # -- prefix cache --------------------------------------------------------------------------------

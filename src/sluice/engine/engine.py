@@ -37,7 +37,7 @@ from sluice.engine.prompt_cache import (
     common_prefix,
 )
 from sluice.engine.runner import BatchEntry, DecodeError, ModelRunner, Sampler
-from sluice.engine.scheduler import Planned, SlotView, plan_batch
+from sluice.engine.scheduler import Planned, PrefillPacer, SlotView, plan_batch
 from sluice.engine.text import Ready, SequenceText, Utf8Assembler
 from sluice.engine.types import EngineRequest, EventSink, SlotState
 from sluice.errors import (
@@ -66,10 +66,11 @@ log = logging.getLogger("sluice.engine")
 class EngineConfig:
     n_parallel: int = 4
     max_queue: int = 16
-    # Prompt tokens per step while other sequences are generating: bounds the
-    # pause a long prefill puts between their tokens (~2.8 ms per prompt token
-    # on the 2-core CI machine, so 128 is ~0.35 s).
-    prefill_while_decoding: int = 128
+    # While other sequences are generating, a step prefills a long prompt for at
+    # most this many times their decode time (measured: see PrefillPacer), so
+    # their gap between tokens grows to about (1 + prefill_budget)x while it
+    # lasts. Prompts that fit in one batch are prefilled whole, at once.
+    prefill_budget: float = 2.0
     # Engine steps of output a response may have delivered but not yet consumed
     # (a client that is not reading); past it, its sequences are not decoded
     # until the consumer has taken half of it.
@@ -188,6 +189,7 @@ class Engine:
         self._resume_at = self._buffer // 2
         self._paused = 0  # works in slots with paused set
         self._cache = PromptCache(config.cache_ram_bytes, config.cache_min_tokens)
+        self._pacer = PrefillPacer(config.prefill_budget, runner.n_batch)
         self.stats = self._snapshot()
 
     # -- public API, any thread ---------------------------------------------
@@ -468,16 +470,20 @@ class Engine:
                     len(work.req.prompt_tokens) - work.prompt_done,
                     work.admitted_order,
                     self._held(work),
+                    len(work.req.prompt_tokens) - work.cached,
                 )
             )
+        n_batch = self.runner.n_batch
+        n_decode = sum(1 for v in views if v.state is SlotState.GENERATING and not v.paused)
         # Entries in sequence-id order: llama.cpp puts only increasing, consecutive
         # ids into one ubatch (see _compact).
         plan = sorted(
-            plan_batch(views, self.runner.n_batch, self.config.prefill_while_decoding),
+            plan_batch(views, n_batch, self._pacer.budget(n_decode), short_prompt=n_batch),
             key=lambda p: p.seq,
         )
         if not plan:
             return False
+        started = time.perf_counter()
         entries, rows = self._build_batch(plan)
         try:
             self.runner.decode(entries)
@@ -494,6 +500,10 @@ class Engine:
             self._after_decode(self._slots[p.seq], p, entry, row, outbox)
         for sink, events in outbox.values():
             _deliver(sink, events)
+        # The whole step (decode, sampling, delivery) is what generating sequences wait.
+        n_prefill = sum(p.n_tokens for p in plan if p.prefill)
+        n_decoded = sum(1 for p in plan if not p.prefill)
+        self._pacer.observe(time.perf_counter() - started, n_decoded, n_prefill)
         return True
 
     def _held(self, work: _Work) -> bool:

@@ -125,6 +125,7 @@ class LocalModel:
                 max_queue=settings.queue,
                 stream_buffer=settings.stream_buffer,
                 cache_ram_bytes=max(0, settings.cache_ram_mb) << 20,
+                prefill_budget=settings.prefill_budget,
             ),
         )
         info = runner.info
