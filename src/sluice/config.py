@@ -45,6 +45,16 @@ class Settings:
     # times their decode time (measured), so their token gap grows to ~(1 + it)x meanwhile;
     # prompts that fit in one batch are prefilled whole. 0: the minimum (8 tokens a step).
     prefill_budget: float = 2.0
+    # server-side tools over MCP (LM Studio's /api/v1/chat "integrations"); both kinds off
+    # unless enabled, as in LM Studio
+    mcp_config: str | None = None  # an mcp.json ({"mcpServers": {label: ...}}): plugin "mcp/<label>"
+    allow_mcp_plugins: bool = False  # the mcp.json servers (needs API keys: they run commands)
+    allow_ephemeral_mcp: bool = False  # servers given in the request (streamable HTTP)
+    mcp_allowed_hosts: str | None = None  # "host,host:port,...": ephemeral servers only there
+    mcp_allow_private: bool = False  # ephemeral servers on loopback/private/link-local addresses
+    tool_rounds: int = 8  # model -> tools -> model rounds per request
+    tool_timeout: float = 30.0  # seconds per tool call (and per MCP connect + list)
+    tool_output_bytes: int = 64 * 1024  # a tool's output (UTF-8) beyond this is a failure
     # http
     host: str = "127.0.0.1"
     port: int = 8080

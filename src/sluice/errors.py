@@ -191,6 +191,31 @@ class UpstreamRejected(SluiceError):
         return {"Retry-After": self.retry_after} if self.retry_after else {}
 
 
+class ResponseNotFound(NotFound):
+    """LM Studio's ``previous_response_id`` names no stored response of this caller."""
+
+    def __init__(self, response_id: str) -> None:
+        super().__init__(f"No stored response '{response_id}'.", param="previous_response_id")
+        self.response_id = response_id
+
+
+class ReasoningUnsupported(InvalidRequest):
+    """LM Studio's ``reasoning`` asks for a setting the model cannot honour."""
+
+
+class IntegrationNotAllowed(SluiceError):
+    """Server-side tools (MCP plugins or ephemeral servers) asked for, but not enabled,
+    or an ephemeral server's host is not on the allowlist."""
+
+
+class McpConnectionError(SluiceError):
+    """An MCP server could not be started, reached, or listed its tools."""
+
+
+class ToolRoundsExceeded(SluiceError):
+    """The model still called tools after the last round the limit allows."""
+
+
 @dataclass(frozen=True, slots=True)
 class ErrorSpec:
     status: int
@@ -225,6 +250,11 @@ _TABLE: dict[type[SluiceError], ErrorSpec] = {
     UpstreamTimeout: ErrorSpec(502, "server_error", "upstream_timeout"),
     UpstreamMalformed: ErrorSpec(502, "server_error", "upstream_malformed"),
     UpstreamUnavailable: ErrorSpec(503, "server_error", "upstream_unavailable"),
+    ResponseNotFound: ErrorSpec(404, "invalid_request_error", "response_not_found"),
+    ReasoningUnsupported: ErrorSpec(400, "invalid_request_error", "reasoning_not_supported"),
+    IntegrationNotAllowed: ErrorSpec(403, "permission_error", "integration_not_allowed"),
+    McpConnectionError: ErrorSpec(502, "server_error", "mcp_connection_error"),
+    ToolRoundsExceeded: ErrorSpec(400, "invalid_request_error", "tool_rounds_exceeded"),
     # UpstreamRejected: the upstream's own status, type and code (see spec_for)
 }
 
@@ -245,6 +275,9 @@ _LMSTUDIO_TYPES: dict[type[SluiceError], str] = {
     ModelUnloaded: "unknown",
     DownloadFailed: "unknown",
     UpstreamFailed: "unknown",
+    IntegrationNotAllowed: "invalid_request",
+    McpConnectionError: "mcp_connection_error",
+    ToolRoundsExceeded: "invalid_request",
 }
 
 

@@ -23,7 +23,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 FinishReason = Literal["stop", "length", "tool_calls", "abort"]
 
@@ -104,6 +104,30 @@ class ToolCallEnd:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolResult:
+    """A tool call the server ran itself (MCP), or could not run; its output goes back
+    to the model. Follows the model's ToolCallStart/Delta/End of the same ``index``.
+
+    ``failure`` None: the call ran and ``output`` is its raw output string (LM Studio's
+    ``tool_call.success``). Otherwise ``failure`` says why it did not
+    (``invalid_name``: no such tool; ``invalid_arguments``: not JSON, or not matching
+    the tool's schema; ``tool_error``: the server failed, timed out or answered too
+    much) and ``reason`` is the message (``tool_call.failure``).
+    """
+
+    choice: int
+    index: int
+    name: str
+    arguments: dict[str, Any] | None  # None when they were not a JSON object
+    output: str | None = None
+    failure: Literal["invalid_name", "invalid_arguments", "tool_error"] | None = None
+    reason: str | None = None
+    # who serves the tool: {"type": "plugin", "plugin_id": ...} or
+    # {"type": "ephemeral_mcp", "server_label": ...}; None for an unknown name
+    provider: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Usage:
     """Token counts for one choice; formatters sum them over choices."""
 
@@ -140,6 +164,7 @@ Event = (
     | ToolCallStart
     | ToolCallDelta
     | ToolCallEnd
+    | ToolResult
     | Finish
     | ErrorEvent
 )
