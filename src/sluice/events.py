@@ -63,6 +63,8 @@ class Progress:
     done: int
     total: int
     cached: int = 0
+    # model_load: seconds since the load began (its load time once done == total)
+    elapsed: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
