@@ -88,6 +88,48 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "(name, urls, api_key_env, models, aliases, timeout) and [keys] "
         '(name = "key" or name = { env = "VAR" }): see the README',
     )
+    tl = p.add_argument_group(
+        "server-side tools (LM Studio's /api/v1/chat integrations, over MCP; off by default)"
+    )
+    tl.add_argument(
+        "--mcp-config",
+        help="an mcp.json ({\"mcpServers\": {label: {command, args, env} | {url, headers}}}): "
+        "the servers requests name as plugin 'mcp/<label>'",
+    )
+    tl.add_argument(
+        "--allow-mcp-plugins",
+        action="store_true",
+        default=None,
+        help="let requests use the --mcp-config servers (they run commands on this machine: "
+        "API keys are required, as in LM Studio)",
+    )
+    tl.add_argument(
+        "--allow-ephemeral-mcp",
+        action="store_true",
+        default=None,
+        help="let requests name MCP servers by URL (ephemeral_mcp; public addresses only "
+        "unless --mcp-allow-private)",
+    )
+    tl.add_argument(
+        "--mcp-allowed-hosts",
+        help="'host,host:port,...': ephemeral MCP servers only on these (default: any public host)",
+    )
+    tl.add_argument(
+        "--mcp-allow-private",
+        action="store_true",
+        default=None,
+        help="let ephemeral MCP servers be on loopback, private or link-local addresses",
+    )
+    tl.add_argument(
+        "--tool-rounds",
+        type=int,
+        help=f"model -> tools -> model rounds per request (default: {d.tool_rounds})",
+    )
+    tl.add_argument(
+        "--tool-timeout",
+        type=float,
+        help=f"seconds per tool call, and per MCP server connect (default: {d.tool_timeout})",
+    )
     mm.add_argument(
         "--store",
         help="SQLite file of the conversations (/c1) and stored responses "

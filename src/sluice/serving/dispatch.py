@@ -31,7 +31,7 @@ from typing import Literal, Protocol
 from sluice.errors import SluiceError, spec_for
 from sluice.serving.backend import Backend, ResponseStream
 from sluice.serving.metrics import Metrics, metered
-from sluice.serving.registry import ModelRegistry, Progress
+from sluice.serving.registry import LoadOptions, ModelRegistry, Progress
 from sluice.serving.request import GenerationRequest
 from sluice.serving.upstream import UpstreamModel, UpstreamSlot
 
@@ -159,13 +159,19 @@ class Dispatcher:
             raise
 
     async def acquire(
-        self, name: str | None, *, ttl: float | None = None, progress: Progress | None = None
+        self,
+        name: str | None,
+        *,
+        ttl: float | None = None,
+        progress: Progress | None = None,
+        options: LoadOptions | None = None,
     ) -> SlotLease:
-        """A lease on the slot serving ``name``; a local model loads first if needed."""
+        """A lease on the slot serving ``name``; a local model loads first if needed
+        (with ``options``, or reloads with them when idle: see ``ModelRegistry.acquire``)."""
         target = self.upstream(name)
         if target is not None:
             return SlotLease(target.backend(), target.slot.name, self.metrics, "upstream")
-        lease = await self.registry.acquire(name, ttl=ttl, progress=progress)
+        lease = await self.registry.acquire(name, ttl=ttl, progress=progress, options=options)
         return SlotLease(
             lease.model,
             lease.spec.name,
