@@ -132,12 +132,19 @@ async def test_a_call_runs_and_the_model_answers_with_its_output() -> None:
             "role": "assistant",
             "content": "",
             "tool_calls": [
-                {"id": "call_1", "type": "function",
-                 "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'},
+                }
             ],
-        },  # fmt: skip
-        {"role": "tool", "tool_call_id": "call_1", "name": "add",
-         "content": '[{"type": "text", "text": "3"}]'},  # fmt: skip
+        },
+        {
+            "role": "tool",
+            "tool_call_id": "call_1",
+            "name": "add",
+            "content": '[{"type": "text", "text": "3"}]',
+        },
     ]
     assert loop.transcript()[-1] == {"role": "assistant", "content": "3"}
     assert len(loop.transcript()) == 3

@@ -102,7 +102,9 @@ def tool_message(call_id: str, name: str, content: str) -> dict[str, Any]:
     return {"role": "tool", "tool_call_id": call_id, "name": name, "content": content}
 
 
-async def run_call(tools: ToolSet, specs: dict[str, ToolSpec], index: int, call: _Call) -> ToolResult:
+async def run_call(
+    tools: ToolSet, specs: dict[str, ToolSpec], index: int, call: _Call
+) -> ToolResult:
     """Check and run one call; never raises but for cancellation."""
     spec = specs.get(call.name)
     try:
@@ -219,7 +221,7 @@ class ToolLoop:
             except SluiceError as exc:
                 yield ErrorEvent(exc)
                 return
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - a backend bug still ends the stream cleanly
                 yield ErrorEvent(as_sluice_error(exc))
                 return
 
