@@ -52,7 +52,6 @@ from sluice.errors import (
     spec_for,
 )
 from sluice.gguf_info import GgufError, GgufInfo, read_gguf_info
-from sluice.parsers.registry import detect_reasoning
 from sluice.protocol.body import parse_json_body
 from sluice.protocol.lmstudio import (
     DownloadModelRequest,
@@ -60,6 +59,10 @@ from sluice.protocol.lmstudio import (
     UnloadModelRequest,
     parse,
 )
+
+# Re-exported (api/info.py and the tests import it from here); it lives beside
+# reasoning_switch, which the chat route and the protocol share.
+from sluice.protocol.lmstudio import reasoning_capability as reasoning_capability  # noqa: PLC0414
 from sluice.serving.registry import LoadOptions, ModelStatus
 
 if TYPE_CHECKING:
@@ -191,19 +194,6 @@ def read_all_model_files(specs: list[ModelSpec], settings: Settings) -> dict[str
 
 
 # -- the listing ------------------------------------------------------------------------
-
-
-def reasoning_capability(template: str | None) -> dict[str, Any] | None:
-    """LM Studio's ``capabilities.reasoning`` for a chat template; None if it does not think.
-
-    A template writes reasoning markers the way the output parsers detect them; it
-    can be told not to think only if it reads a switch (``enable_thinking``, set
-    through ``chat_template_kwargs``).
-    """
-    if template is None or detect_reasoning(template) is None:
-        return None
-    options = ["off", "on"] if "enable_thinking" in template else ["on"]
-    return {"allowed_options": options, "default": "on"}
 
 
 def model_entry(spec: ModelSpec, status: ModelStatus, file: ModelFile | None) -> dict[str, Any]:

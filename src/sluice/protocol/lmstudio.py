@@ -1,9 +1,10 @@
-"""Wire schemas of LM Studio's model-management requests (REST API v1), validated with pydantic.
+"""Wire schemas of LM Studio's REST API v1 requests (chat and model management), with pydantic.
 
 Unknown fields are accepted and reported (``unknown_fields``) so the route can
-log them: LM Studio adds load options from release to release, and a tool
-written for a newer one must still load models here. :func:`parse` turns a
-validation error into an :class:`~sluice.errors.InvalidRequest` naming the field.
+log them: LM Studio adds options from release to release, and a tool written
+for a newer one must still work here. :func:`parse` turns a validation error
+into an :class:`~sluice.errors.InvalidRequest` naming the field
+(``input[0].data_url``).
 
 Example::
 
@@ -11,16 +12,32 @@ Example::
     body.context_length   # 1024
     parse({"instance_id": 7}, UnloadModelRequest)
     # -> InvalidRequest("Invalid 'instance_id': Input should be a valid string")
+
+    chat = parse({"model": "qwen3", "input": "Hi", "reasoning": "off"}, ChatRequest)
+    kwargs = reasoning_switch(chat.reasoning, reasoning_capability(template))
+    request = chat.to_request(history=[], tools=None, template_kwargs=kwargs)
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, TypeVar
+import re
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+)
 
-from sluice.errors import InvalidRequest
+from sluice.engine.types import SamplingParams
+from sluice.errors import InvalidRequest, ReasoningUnsupported
+from sluice.parsers.registry import detect_reasoning
+from sluice.serving.request import GenerationRequest
 
 log = logging.getLogger("sluice.api")
 
@@ -68,6 +85,203 @@ class DownloadModelRequest(_Wire):
     quantization: str | None = None  # LM Studio picks a file of a repo by it; a URL names one
 
 
+# -- POST /api/v1/chat -------------------------------------------------------------------
+
+ReasoningSetting = Literal["off", "low", "medium", "high", "on"]
+_LEVELS = ("low", "medium", "high")
+_INT32_MAX = 2**31 - 1
+# Only the prefix is checked: the base64 that follows may be megabytes.
+_DATA_URL = re.compile(r"data:image/[A-Za-z0-9.+-]+;base64,")
+
+
+class TextInput(_Wire):
+    """A text item: ``{"type": "message", "content": ...}`` (``"text"`` too: LM Studio's
+    docs write both)."""
+
+    type: Literal["message", "text"]
+    content: str
+
+
+class ImageInput(_Wire):
+    """An image item: ``{"type": "image", "data_url": "data:image/png;base64,..."}``."""
+
+    type: Literal["image"]
+    data_url: str
+
+    @field_validator("data_url")
+    @classmethod
+    def _is_data_url(cls, v: str) -> str:
+        if not _DATA_URL.match(v):
+            raise ValueError("must be a base64 image data URL: data:image/<format>;base64,<data>")
+        return v
+
+
+InputItem = Annotated[TextInput | ImageInput, Field(discriminator="type")]
+
+
+def _input_kind(value: Any) -> str | None:
+    if isinstance(value, str):
+        return "text"
+    return "items" if isinstance(value, list) else None
+
+
+# A string or a non-empty list of items; the discriminator keeps errors to the branch
+# the client meant (no "should be a valid string" for a bad item).
+ChatInput = Annotated[
+    Annotated[str, Tag("text")] | Annotated[list[InputItem], Tag("items"), Field(min_length=1)],
+    Discriminator(
+        _input_kind,
+        custom_error_type="input_type",
+        custom_error_message="Input should be a string or a list of input items",
+    ),
+]
+
+
+class ChatRequest(_Wire):
+    """``POST /api/v1/chat``: one user turn; the rest of the conversation lives on the
+    server (``previous_response_id``), tools come from ``integrations``.
+
+    ``tool_choice`` is sluice's own (LM Studio has none): ``"required"`` makes a
+    model call one of the integrations' tools.
+
+    Example::
+
+        body = parse({"model": "qwen3", "input": "What is 2+2?"}, ChatRequest)
+        request = body.to_request(history=[], tools=None)
+        request.messages   # [{"role": "user", "content": "What is 2+2?"}]
+    """
+
+    model: str = Field(min_length=1)
+    input: ChatInput
+    system_prompt: str | None = None
+    integrations: list[Any] | None = None  # parsed by the MCP layer
+    stream: bool = False
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repeat_penalty: float | None = Field(default=None, gt=0.0)
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    reasoning: ReasoningSetting | None = None
+    context_length: int | None = Field(default=None, ge=MIN_CONTEXT_LENGTH)
+    store: bool = True
+    previous_response_id: str | None = None
+    tool_choice: Literal["auto", "required", "none"] | None = None
+
+    @field_validator("previous_response_id")
+    @classmethod
+    def _is_response_id(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith("resp_"):
+            raise ValueError("must be a response id ('resp_...')")
+        return v
+
+    def input_messages(self) -> list[dict[str, Any]]:
+        """The new user turn as chat-template messages.
+
+        Items become OpenAI content parts; text-only items collapse to one string
+        (joined as a template joins text parts: with nothing between them).
+        """
+        if isinstance(self.input, str):
+            return [{"role": "user", "content": self.input}]
+        parts: list[dict[str, Any]] = [
+            {"type": "text", "text": item.content}
+            if isinstance(item, TextInput)
+            else {"type": "image_url", "image_url": {"url": item.data_url}}
+            for item in self.input
+        ]
+        if all(part["type"] == "text" for part in parts):
+            return [{"role": "user", "content": "".join(part["text"] for part in parts)}]
+        return [{"role": "user", "content": parts}]
+
+    def has_images(self) -> bool:
+        return not isinstance(self.input, str) and any(
+            isinstance(item, ImageInput) for item in self.input
+        )
+
+    def sampling_params(self) -> SamplingParams:
+        """This request's sampler settings (omitted: the same defaults as OpenAI's routes)."""
+        return SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            # llama.cpp takes int32: a top_k past the vocabulary is the same as none.
+            top_k=min(self.top_k or 0, _INT32_MAX),
+            min_p=self.min_p or 0.0,
+            repeat_penalty=self.repeat_penalty or 1.0,
+        )
+
+    def to_request(
+        self,
+        history: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        *,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> GenerationRequest:
+        """The neutral request: system prompt, ``history`` (earlier turns as template
+        messages), this input; ``tools`` as OpenAI function definitions.
+
+        ``template_kwargs`` is what :func:`reasoning_switch` returned. A reasoning
+        level (low/medium/high) travels as ``reasoning_effort``.
+        """
+        messages: list[dict[str, Any]] = []
+        if self.system_prompt is not None:
+            messages.append({"role": "system", "content": self.system_prompt})
+        messages.extend(history)
+        messages.extend(self.input_messages())
+        return GenerationRequest(
+            model=self.model,
+            messages=messages,
+            tools=tools or None,
+            tool_choice=self.tool_choice,
+            reasoning_effort=self.reasoning if self.reasoning in _LEVELS else None,
+            template_kwargs=template_kwargs,
+            sampling=self.sampling_params(),
+            max_tokens=self.max_output_tokens,
+        )
+
+
+def reasoning_capability(template: str | None) -> dict[str, Any] | None:
+    """LM Studio's ``capabilities.reasoning`` for a chat template; None if it does not think.
+
+    A template writes reasoning markers the way the output parsers detect them; it
+    can be told not to think only if it reads a switch (``enable_thinking``, set
+    through ``chat_template_kwargs``).
+    """
+    if template is None or detect_reasoning(template) is None:
+        return None
+    options = ["off", "on"] if "enable_thinking" in template else ["on"]
+    return {"allowed_options": options, "default": "on"}
+
+
+def reasoning_switch(
+    value: str | None, capability: dict[str, Any] | None, *, model: str | None = None
+) -> dict[str, Any] | None:
+    """The ``template_kwargs`` that set ``reasoning`` to ``value``; None: nothing to set.
+
+    ``capability`` is :func:`reasoning_capability`'s answer for the model. A model
+    that does not reason accepts only ``"off"``; otherwise the value must be one of
+    its ``allowed_options``, else :class:`ReasoningUnsupported` (``param="reasoning"``).
+
+    Example::
+
+        reasoning_switch("off", {"allowed_options": ["off", "on"], "default": "on"})
+        # -> {"enable_thinking": False}
+    """
+    if value is None:
+        return None
+    allowed = ["off"] if capability is None else list(capability["allowed_options"])
+    if value not in allowed:
+        who = f"Model '{model}'" if model else "This model"
+        options = ", ".join(f"'{option}'" for option in allowed)
+        raise ReasoningUnsupported(
+            f"{who} does not support reasoning '{value}'; allowed: {options}",
+            param="reasoning",
+        )
+    # Only a template that reads the switch can be told "off" (reasoning_capability).
+    if capability is None or "off" not in allowed:
+        return None
+    return {"enable_thinking": value != "off"}
+
+
 M = TypeVar("M", bound=_Wire)
 
 
@@ -77,10 +291,28 @@ def parse(data: dict[str, Any], model: type[M]) -> M:
         parsed = model.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
-        # These bodies are flat: the location is the field, plus an index for a list.
-        field = ".".join(str(step) for step in first["loc"])
+        field = _field_path(first["loc"], data, missing=first["type"] == "missing")
         raise InvalidRequest(f"Invalid '{field}': {first['msg']}", param=field or None) from exc
     unknown = parsed.unknown_fields()
     if unknown:
         log.info("ignoring unknown request fields: %s", ", ".join(unknown))
     return parsed
+
+
+def _field_path(loc: tuple[int | str, ...], data: Any, *, missing: bool = False) -> str:
+    """``input[0].data_url`` from pydantic's location, without its union-member tags
+    (a step that is not a key or index of the body, except a missing field's name)."""
+    path = ""
+    node = data
+    for i, step in enumerate(loc):
+        if isinstance(step, int) and isinstance(node, list) and 0 <= step < len(node):
+            node = node[step]
+            path += f"[{step}]"
+        elif (
+            isinstance(step, str)
+            and isinstance(node, dict)
+            and (step in node or (missing and i == len(loc) - 1))
+        ):
+            node = node.get(step)
+            path += f".{step}" if path else step
+    return path
