@@ -361,6 +361,23 @@ def test_a_prompt_without_its_end_is_ended_before_the_output() -> None:
     ]
 
 
+def test_a_prompt_reported_before_its_start_is_that_rounds() -> None:
+    frames, _ = run([pp(0, 4), pp(4, 4), Start(0, 4), TextDelta(0, "x", 1), finish(4, 1)])
+    assert kinds(frames) == [
+        "chat.start",
+        *PROMPT_DONE,
+        "message.start",
+        "message.delta",
+        "message.end",
+        "chat.end",
+    ]
+
+
+def test_an_empty_round_then_another() -> None:
+    frames, _ = run([Start(0, 3), finish(3, 0, "tool_calls"), Start(0, 5), pp(0, 5), pp(5, 5)])
+    assert kinds(frames) == ["chat.start", *PROMPT_DONE, *PROMPT_DONE, "chat.end"]
+
+
 def test_an_upstream_stream_without_progress_gets_the_same_shape() -> None:
     frames, fmt = run(
         [

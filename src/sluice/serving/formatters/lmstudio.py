@@ -17,10 +17,17 @@ The stream's shape:
 * ``chat.end {"result": ...}``; after a failure ``error`` first, then
   ``chat.end`` with what was generated.
 
+Stats over every round: ``input_tokens`` is the last round's prompt,
+``total_output_tokens`` the sum of the rounds' completions,
+``tokens_per_second`` that sum over the time from the first output token to
+the last (tool calls between rounds included), ``time_to_first_token_seconds``
+from the start of prompt processing (the formatter's creation if none was
+reported).
+
 Example::
 
-    fmt = LMStudioChatFormatter("qwen3-0.6b", providers={"add": {"type": "plugin",
-                                                                  "plugin_id": "mcp/calc"}})
+    calc = {"type": "plugin", "plugin_id": "mcp/calc"}
+    fmt = LMStudioChatFormatter("qwen3-0.6b", providers={"add": calc})
     frames = fmt.start()
     for event in events:
         frames.extend(fmt.frames(event))
@@ -132,7 +139,8 @@ class LMStudioChatFormatter:
         self._load_time: float | None = None
         # prompt processing of the current round
         self._prompt = _Phase()
-        self._round_output = False
+        self._round_output = False  # the current round wrote something
+        self._round_finished = False  # ...or finished: the next Start begins another
         self._prompt_started_at: float | None = None  # the first real prompt processing
         # stats
         self._input_tokens = 0
@@ -268,7 +276,7 @@ class LMStudioChatFormatter:
     def _on_prompt(self, event: Progress) -> list[Frame]:
         out = self._settle_load()
         if self._prompt.state == "done":
-            if not self._round_output:
+            if not (self._round_output or self._round_finished):
                 return out  # a late report of the prompt already done
             self._new_round()  # a new prompt with no Start before it
         if self._prompt.state == "idle":
@@ -304,12 +312,14 @@ class LMStudioChatFormatter:
     def _new_round(self) -> None:
         self._prompt = _Phase()
         self._round_output = False
+        self._round_finished = False
         self._calls = {}
         self._pending_tokens = 0
 
     def _on_start(self, event: Start) -> list[Frame]:
         out = self._settle_load() + self._close_block()
-        if self._round_output or self._prompt.state != "idle":
+        # (A prompt reported before its round's Start stays that round's.)
+        if self._round_output or self._round_finished:
             self._new_round()
         self._pending_tokens = 0
         if event.prompt_tokens:
@@ -461,6 +471,7 @@ class LMStudioChatFormatter:
         else:
             self._finished_tokens += self._round_tokens
         self._round_tokens = 0
+        self._round_finished = True
         return out
 
     def _chat_end(self) -> list[Frame]:
