@@ -692,3 +692,15 @@ def test_result_before_the_end_changes_no_frame() -> None:
     check_end(frames, fmt)
     assert kinds(frames)[-2:] == ["reasoning.end", "chat.end"]
     assert fmt.result() == early
+
+
+def test_a_response_id_cleared_before_the_end_is_left_out() -> None:
+    """The route clears it when storing the response failed: nothing to continue from."""
+    clock = Clock()
+    fmt = formatter(clock, response_id="resp_1")
+    frames = feed(fmt, clock, [Start(0, 1), TextDelta(0, "x", 1), finish(1, 1)])
+    assert fmt.result()["response_id"] == "resp_1"
+    fmt.response_id = None
+    frames += fmt.end()
+    check_end(frames, fmt)
+    assert "response_id" not in fmt.result()

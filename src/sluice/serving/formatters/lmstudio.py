@@ -100,8 +100,8 @@ class LMStudioChatFormatter:
     """Events -> LM Studio's named events; also the non-streaming body (:meth:`result`).
 
     ``providers`` maps the name of each server-side tool to its ``provider_info``;
-    ``response_id`` is set only when the response is stored; ``clock`` (seconds)
-    times the stats.
+    ``response_id`` is given only when the response is stored (an attribute: clear
+    it before the end if storing failed); ``clock`` (seconds) times the stats.
 
     Example::
 
@@ -122,7 +122,7 @@ class LMStudioChatFormatter:
     ) -> None:
         self.model_instance_id = model_instance_id
         self._providers = providers or {}
-        self._response_id = response_id
+        self.response_id = response_id
         self._clock = clock
         self._created = clock()
         self._started = False
@@ -484,8 +484,8 @@ class LMStudioChatFormatter:
             "output": output,
             "stats": self._stats(),
         }
-        if self._response_id is not None:
-            body["response_id"] = self._response_id
+        if self.response_id is not None:
+            body["response_id"] = self.response_id
         return body
 
     def _stats(self) -> dict[str, Any]:
