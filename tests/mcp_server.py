@@ -8,6 +8,7 @@ Example::
 Tools: ``add``, ``echo``, ``pid`` (this process's id), ``slow`` (leaves
 ``<marker>.started``, then ``<marker>.done`` or ``<marker>.cancelled``),
 ``fail`` (an ``isError`` result) and ``big`` (``n`` characters).
+``MCP_TEST_PAGE_SIZE=n`` in the environment: ``tools/list`` answers in pages of n.
 """
 
 from __future__ import annotations
@@ -15,12 +16,30 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import Any
 
 import anyio
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
+from mcp_types import ListToolsResult, PaginatedRequestParams
 
-server = MCPServer("sluice-test", log_level="WARNING")
+
+class _Server(MCPServer):
+    async def _handle_list_tools(
+        self, ctx: Any, params: PaginatedRequestParams | None
+    ) -> ListToolsResult:
+        tools = await self.list_tools()
+        size = int(os.environ.get("MCP_TEST_PAGE_SIZE", "0"))
+        if not size:
+            return ListToolsResult(tools=tools)
+        start = int(params.cursor) if params is not None and params.cursor else 0
+        end = start + size
+        return ListToolsResult(
+            tools=tools[start:end], next_cursor=str(end) if end < len(tools) else None
+        )
+
+
+server = _Server("sluice-test", log_level="WARNING")
 
 
 @server.tool(description="Add two integers")

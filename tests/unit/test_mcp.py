@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 from sluice.config import Settings
 from sluice.errors import IntegrationNotAllowed, InvalidRequest, McpConnectionError
@@ -27,7 +28,13 @@ from sluice.serving.mcp import (
     ToolCallFailed,
     parse_integrations,
 )
-from sluice.serving.mcp_servers import host_allowed, public_addresses
+from sluice.serving.mcp_servers import (
+    HttpServer,
+    McpConnection,
+    StdioServer,
+    host_allowed,
+    public_addresses,
+)
 
 SERVER = str(Path(__file__).resolve().parent.parent / "mcp_server.py")
 TOOLS = {"add", "echo", "pid", "slow", "fail", "big"}
@@ -71,6 +78,11 @@ def _settings(tmp_path: Path, http_url: str, **overrides: Any) -> Settings:
                 "mcpServers": {
                     "calc": {"command": sys.executable, "args": [SERVER, "stdio"]},
                     "web": {"url": http_url},
+                    "paged": {
+                        "command": sys.executable,
+                        "args": [SERVER, "stdio"],
+                        "env": {"MCP_TEST_PAGE_SIZE": "4"},
+                    },
                 }
             }
         )
@@ -97,6 +109,21 @@ async def make(tmp_path: Path, http_url: str) -> AsyncIterator[Callable[..., Mcp
     yield make
     for manager in managers:
         await manager.close()
+    assert _stdio_children() == []  # close() left no server process
+
+
+def _stdio_children() -> list[int]:
+    """This process's children running the test server over stdio (Linux /proc)."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == os.getpid() and SERVER.encode() in command and b"stdio" in command:
+            found.append(int(entry.name))
+    return found
 
 
 def _ephemeral(url: str, label: str = "web", **kw: Any) -> EphemeralIntegration:
@@ -253,6 +280,12 @@ async def test_plugin_add(make: Callable[..., McpManager], plugin: str) -> None:
     await tools.aclose()
 
 
+async def test_paginated_listing(make: Callable[..., McpManager]) -> None:
+    tools = await make().toolset([PluginIntegration("mcp/paged", ("big", "add"))])
+    assert [spec.name for spec in tools.specs] == ["add", "big"]  # "big" is on page 2
+    assert await tools.call("big", {"n": 3}) == '[{"type":"text","text":"xxx"}]'
+
+
 async def test_allowed_tools(make: Callable[..., McpManager], http_url: str) -> None:
     manager = make()
     tools = await manager.toolset([_ephemeral(http_url, allowed_tools=("echo", "add"))])
@@ -280,13 +313,10 @@ async def test_big_output_fails(make: Callable[..., McpManager], http_url: str) 
     await tools.aclose()
 
 
-@pytest.mark.parametrize("kind", ["ephemeral", "plugin"])
 async def test_timeout_cancels_the_tool(
-    make: Callable[..., McpManager], http_url: str, tmp_path: Path, kind: str
+    make: Callable[..., McpManager], http_url: str, tmp_path: Path
 ) -> None:
-    item = _ephemeral(http_url) if kind == "ephemeral" else PluginIntegration("mcp/calc")
-    manager = make(tool_timeout=1.0)
-    tools = await manager.toolset([item])
+    tools = await make(tool_timeout=1.0).toolset([_ephemeral(http_url)])
     marker = tmp_path / "slow"
     started = time.monotonic()
     with pytest.raises(ToolCallFailed, match=r"^slow timed out after 1 s$"):
@@ -297,6 +327,22 @@ async def test_timeout_cancels_the_tool(
     assert not Path(f"{marker}.done").exists()
     assert await tools.call("add", {"a": 2, "b": 2}) == '[{"type":"text","text":"4"}]'
     await tools.aclose()
+
+
+async def test_timeout_cancels_the_tool_stdio(tmp_path: Path) -> None:
+    # The connection itself: a stdio server may take more than the short limit to start.
+    conn = McpConnection("mcp/calc", StdioServer(sys.executable, (SERVER, "stdio")))
+    await conn.start(timeout=10)
+    marker = tmp_path / "slow"
+    try:
+        with pytest.raises(ToolCallFailed, match=r"^slow timed out after 0.5 s$"):
+            await conn.call("slow", {"seconds": 30, "marker": str(marker)}, timeout=0.5)
+        await _until(lambda: Path(f"{marker}.cancelled").exists())
+        assert not Path(f"{marker}.done").exists()
+        assert conn.alive
+    finally:
+        await conn.stop()
+    assert not conn.alive
 
 
 @pytest.mark.parametrize("kind", ["ephemeral", "plugin"])
@@ -363,7 +409,7 @@ async def test_unknown_plugin_and_broken_config(
     make: Callable[..., McpManager], tmp_path: Path
 ) -> None:
     with pytest.raises(
-        InvalidRequest, match=r"unknown plugin 'mcp/nope' \(known: mcp/calc, mcp/web\)"
+        InvalidRequest, match=r"unknown plugin 'mcp/nope' \(known: mcp/calc, mcp/web, mcp/paged\)"
     ):
         await make().toolset([PluginIntegration("mcp/nope")])
     broken = tmp_path / "broken.json"
@@ -427,3 +473,36 @@ async def test_ephemeral_session_ends_with_aclose(
     await tools.aclose()  # idempotent
     with pytest.raises(ToolCallFailed, match="not connected"):
         await tools.call("add", {"a": 1, "b": 2})
+
+
+@pytest.mark.parametrize("transport", ["stdio", "http"])
+async def test_legacy_handshake(http_url: str, tmp_path: Path, transport: str) -> None:
+    """A server spoken to with the ``initialize`` handshake (as pre-2026 servers are):
+    calls work and a cancelled call is cancelled on the server too."""
+    server = StdioServer(sys.executable, (SERVER, "stdio")) if transport == "stdio" else None
+    conn = McpConnection("old", server or HttpServer(http_url), mode="legacy")
+    try:
+        assert {tool.name for tool in await conn.start(timeout=10)} == TOOLS
+        assert conn.protocol_version not in MODERN_PROTOCOL_VERSIONS
+        result = await conn.call("add", {"a": 1, "b": 2}, timeout=5)
+        assert [c.model_dump(exclude_none=True) for c in result.content] == [
+            {"type": "text", "text": "3"}
+        ]
+        marker = tmp_path / "slow"
+        call = asyncio.create_task(conn.call("slow", {"seconds": 30, "marker": str(marker)}, 60))
+        await _until(lambda: Path(f"{marker}.started").exists())
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        await _until(lambda: Path(f"{marker}.cancelled").exists())
+        assert not Path(f"{marker}.done").exists()
+    finally:
+        await conn.stop()
+    assert _stdio_children() == []
+
+
+async def test_public_only_checked_at_connect(http_url: str) -> None:
+    """An ephemeral server's addresses are checked again when connecting (DNS rebinding)."""
+    conn = McpConnection("web", HttpServer(http_url, public_only=True))
+    with pytest.raises(McpConnectionError, match="MCP server web: .*not a public address"):
+        await conn.start(timeout=5)

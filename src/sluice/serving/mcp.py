@@ -8,7 +8,16 @@ The tool loop (``toolloop.py``) programs against :class:`ToolSet`; the
   started once on first use and reused by every request;
 * ephemeral servers (``{"type": "ephemeral_mcp", "server_label", "server_url",
   "allowed_tools"?, "headers"?}``): streamable HTTP, connected for this request
-  only, to allowed hosts only.
+  only; only to hosts on ``mcp_allowed_hosts`` (when set) and, unless
+  ``mcp_allow_private``, only to public addresses (checked before connecting and
+  again at connect time).
+
+Both kinds are refused (:class:`~sluice.errors.IntegrationNotAllowed`) unless
+their setting allows them. A tool's output is the MCP result's content list as
+compact JSON. A ``call`` that times out, or whose task is cancelled (the client
+went away), is cancelled on the server too: the SDK sends
+``notifications/cancelled`` (on streamable HTTP at MCP 2026-07-28 it aborts the
+request's POST instead), and the cancellation propagates at once.
 
 Example::
 
@@ -33,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
+import anyio
 import mcp_types as types
 
 from sluice.config import Settings
@@ -355,10 +365,12 @@ class McpManager:
         if not settings.mcp_allow_private:
             port = parts.port or (443 if parts.scheme == "https" else 80)
             try:
-                await public_addresses(host, port)
-            except OSError as exc:
+                with anyio.fail_after(settings.tool_timeout):
+                    await public_addresses(host, port)
+            except (OSError, TimeoutError) as exc:
+                cause = "no answer" if isinstance(exc, TimeoutError) else str(exc)
                 raise McpConnectionError(
-                    f"MCP server {item.server_label}: cannot resolve {host!r}: {exc}"
+                    f"MCP server {item.server_label}: cannot resolve {host!r}: {cause}"
                 ) from exc
 
     async def _connect(
@@ -394,6 +406,9 @@ class McpManager:
                 raise McpConnectionError(f"MCP server {item.id}: the server is shutting down")
             new = McpConnection(item.id, self._plugin_config(item, "integrations"))
             tools = await new.start(timeout)
+            if self._closed:  # close() ran meanwhile
+                await new.stop()
+                raise McpConnectionError(f"MCP server {item.id}: the server is shutting down")
             self._plugins[item.label] = new
             return new, tools
 

@@ -259,23 +259,26 @@ def describe(exc: BaseException) -> str:
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
     if isinstance(exc, MCPError):
-        return exc.error.message
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+        text = exc.error.message
+    else:
+        text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    line = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    return line if len(line) <= 300 else line[:299] + "…"
 
 
 _CLIENT_INFO = types.Implementation(name="sluice", version=__version__)
 
 
 @asynccontextmanager
-async def _open(server: ServerConfig) -> AsyncIterator[Client]:
+async def _open(server: ServerConfig, mode: str) -> AsyncIterator[Client]:
     """A connected, initialized SDK client for the server (``mode="auto"``: the 2026
     ``server/discover`` when the server has it, else the ``initialize`` handshake)."""
     if isinstance(server, StdioServer):
         params = StdioServerParameters(
             command=server.command, args=list(server.args), env=server.env or None, cwd=server.cwd
         )
-        async with Client(stdio_client(params), cache=None, client_info=_CLIENT_INFO) as client:
+        stdio = stdio_client(params)
+        async with Client(stdio, mode=mode, cache=None, client_info=_CLIENT_INFO) as client:
             yield client
         return
     http = httpx2.AsyncClient(
@@ -286,7 +289,7 @@ async def _open(server: ServerConfig) -> AsyncIterator[Client]:
     )
     async with http:
         transport = streamable_http_client(server.url, http_client=http)
-        async with Client(transport, cache=None, client_info=_CLIENT_INFO) as client:
+        async with Client(transport, mode=mode, cache=None, client_info=_CLIENT_INFO) as client:
             yield client
 
 
@@ -305,18 +308,26 @@ async def _list_tools(client: Client) -> list[types.Tool]:
 class McpConnection:
     """One MCP session, owned from connect to close by its own task.
 
-    ``name`` (the plugin id or the server label) is what errors name.
+    ``name`` (the plugin id or the server label) is what errors name; ``mode`` is the
+    SDK's (``"auto"``, ``"legacy"``: the ``initialize`` handshake only).
     """
 
-    def __init__(self, name: str, server: ServerConfig) -> None:
+    def __init__(self, name: str, server: ServerConfig, mode: str = "auto") -> None:
         self.name = name
         self.server = server
+        self.mode = mode
         self.tools: list[types.Tool] = []
         self._client: Client | None = None
         self._broken = False
         self._stop = asyncio.Event()
         self._scope: anyio.CancelScope | None = None
         self._task: asyncio.Task[None] | None = None
+
+    @property
+    def protocol_version(self) -> str | None:
+        """The negotiated MCP version (None until connected)."""
+        client = self._client
+        return client.protocol_version if client is not None else None
 
     @property
     def alive(self) -> bool:
@@ -345,7 +356,7 @@ class McpConnection:
             # One scope for the connect deadline (lifted once connected) and for stop():
             # the SDK's scopes nest inside it, entered and exited in this task.
             with anyio.CancelScope(deadline=deadline) as self._scope:
-                async with _open(self.server) as client:
+                async with _open(self.server, self.mode) as client:
                     tools = await _list_tools(client)
                     self._scope.deadline = math.inf
                     self._client = client
