@@ -440,6 +440,19 @@ async def test_plugin_started_once(make: Callable[..., McpManager]) -> None:
     await _until(lambda: not _running(int(pid)))
 
 
+async def test_cancelled_plugin_start(make: Callable[..., McpManager]) -> None:
+    """A request that goes away while its plugin starts leaves nothing running."""
+    manager = make()
+    start = asyncio.create_task(manager.toolset([PluginIntegration("mcp/calc")]))
+    await _until(lambda: bool(_stdio_children()))
+    start.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await start
+    await _until(lambda: not _stdio_children())  # the half-started server ends
+    tools = await manager.toolset([PluginIntegration("mcp/calc")])  # a later request
+    assert await tools.call("add", {"a": 1, "b": 1}) == '[{"type":"text","text":"2"}]'
+
+
 async def test_dead_plugin_restarts(make: Callable[..., McpManager]) -> None:
     manager = make()
     tools = await manager.toolset([PluginIntegration("mcp/calc")])

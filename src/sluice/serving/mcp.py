@@ -297,6 +297,7 @@ class McpManager:
         self._config: dict[str, ServerConfig] | None = None
         self._plugins: dict[str, McpConnection] = {}  # by label
         self._locks: dict[str, asyncio.Lock] = {}
+        self._sessions: set[McpConnection] = set()  # every plugin session maybe still open
         self._closed = False
 
     def plugin_servers(self) -> dict[str, ServerConfig]:
@@ -405,6 +406,8 @@ class McpManager:
             if self._closed:
                 raise McpConnectionError(f"MCP server {item.id}: the server is shutting down")
             new = McpConnection(item.id, self._plugin_config(item, "integrations"))
+            self._sessions = {conn for conn in self._sessions if not conn.finished}
+            self._sessions.add(new)  # close() stops it even if this start is cancelled
             tools = await new.start(timeout)
             if self._closed:  # close() ran meanwhile
                 await new.stop()
@@ -415,8 +418,8 @@ class McpManager:
     async def close(self) -> None:
         """Stop every plugin server (stdio processes end)."""
         self._closed = True
-        conns = list(self._plugins.values())
         self._plugins.clear()
+        conns, self._sessions = list(self._sessions), set()
         if conns:
             await asyncio.gather(*(conn.stop() for conn in conns))
 

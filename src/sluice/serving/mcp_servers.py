@@ -330,6 +330,11 @@ class McpConnection:
         return client.protocol_version if client is not None else None
 
     @property
+    def finished(self) -> bool:
+        """The session's task has ended (or never started): nothing left to close."""
+        return self._task is None or self._task.done()
+
+    @property
     def alive(self) -> bool:
         """Connected, not stopped, and no call has seen the connection closed."""
         return self._client is not None and not self._broken and not self._stop.is_set()
