@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from sluice import catalog
-from sluice.api import conversations, info, lmstudio, metrics, routes
+from sluice.api import conversations, info, lmstudio, lmstudio_chat, metrics, routes
 from sluice.api.keys import ApiKeys, BearerAuth, names_line
 from sluice.api.sse import error_response
 from sluice.catalog import ModelSpec
@@ -41,6 +41,7 @@ from sluice.router.pool import UpstreamPool
 from sluice.serving.dispatch import Dispatcher
 from sluice.serving.downloads import DownloadManager
 from sluice.serving.local import LocalModel, ModelSettings
+from sluice.serving.mcp import McpManager
 from sluice.serving.metrics import Metrics
 from sluice.serving.offload import Offload
 from sluice.serving.registry import LoadOptions, ModelRegistry, Progress
@@ -59,6 +60,8 @@ class ServerState:
     downloads: DownloadManager  # GGUF downloads into the models folder
     dispatcher: Dispatcher  # model names -> slots: local models and upstream servers
     metrics: Metrics  # live per-slot figures (/metrics, /v1/info)
+    mcp: McpManager  # MCP servers for server-side tools (LM Studio's integrations)
+    auth_required: bool  # API keys are configured (MCP plugins need it, as in LM Studio)
     # conversations and stored responses; opened by the lifespan, before any request
     _store: ConversationStore | None = None
     draining: bool = False
@@ -158,7 +161,15 @@ def build_state(
     ]
     dispatcher = Dispatcher(registry, upstreams, meters)
     return ServerState(
-        settings, registry, offload, body_limits(settings), downloads, dispatcher, meters
+        settings,
+        registry,
+        offload,
+        body_limits(settings),
+        downloads,
+        dispatcher,
+        meters,
+        McpManager(settings),
+        bool(ApiKeys.from_settings(settings)),
     )
 
 
@@ -183,6 +194,7 @@ def create_app(
             if state._store is not None:
                 await state._store.close()
             await state.dispatcher.close()
+            await state.mcp.close()
             await registry.close()
             await state.downloads.close()
             state.offload.close()
@@ -202,6 +214,7 @@ def create_app(
         finally:
             await state.downloads.close()  # a running download keeps its .part to resume
             await state.dispatcher.close()
+            await state.mcp.close()  # plugin servers stop (stdio children end)
             await state.store.close()  # after the streams: their turns are recorded first
             await registry.close()
             state.offload.close()
@@ -257,6 +270,7 @@ def create_app(
             Route("/v1/info", info.catalog, methods=["GET"]),
             Route("/metrics", metrics.metrics, methods=["GET"]),
             Route("/health", routes.health, methods=["GET"]),
+            Route("/api/v1/chat", lmstudio_chat.chat, methods=["POST"]),
             *lmstudio.ROUTES,
         ],
         lifespan=lifespan,
