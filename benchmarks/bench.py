@@ -590,23 +590,25 @@ def _run_streams(host: str, port: int, bodies: list[bytes]) -> list[StreamResult
     return results
 
 
+def chat_stream_body(conversation: list[dict[str, str]], tokens: int) -> bytes:
+    """The request the client sends: streaming chat, greedy, ``ignore_eos``, usage at the end."""
+    return json.dumps(
+        {
+            "model": "smollm2",
+            "messages": conversation,
+            "stream": True,
+            "temperature": 0,
+            "max_tokens": tokens,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+        }
+    ).encode()
+
+
 def sluice_run(
     server: Server, conversations: list[list[dict[str, str]]], tokens: int
 ) -> dict[str, Any]:
-    bodies = [
-        json.dumps(
-            {
-                "model": "smollm2",
-                "messages": conv,
-                "stream": True,
-                "temperature": 0,
-                "max_tokens": tokens,
-                "ignore_eos": True,
-                "stream_options": {"include_usage": True},
-            }
-        ).encode()
-        for conv in conversations
-    ]
+    bodies = [chat_stream_body(conv, tokens) for conv in conversations]
     pid = server.proc.pid
     srv_cpu0 = proc_cpu_seconds(pid)
     loop_cpu0 = proc_cpu_seconds(pid, pid)  # the main thread: asyncio loop, HTTP, SSE

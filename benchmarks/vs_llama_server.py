@@ -1,0 +1,864 @@
+#!/usr/bin/env python
+"""sluice against llama.cpp's own ``llama-server`` on the same kernels (issue 11).
+
+``llama-server`` is built from the llama.cpp that the pinned llama-cpp-python vendors,
+with the flags ``./dev`` uses (``llama_server.py``; built once, cached), so the kernels
+are the ones sluice calls and every difference is the server around them. Everything
+runs on SmolLM2-135M-Instruct Q4_1 (``bench.model_path()``) with ``--threads`` (default
+2) for every process, one target at a time, in alternating rounds: the order of the
+targets rotates every round, and every server (and the raw worker) is started fresh for
+each round of each scenario, so that both servers get the same treatment.
+
+1. **Throughput** at 1, 4 and 8 concurrent streams, 8 slots each, 4096 tokens of
+   context per slot:
+
+   * raw: ``bench.py``'s raw worker (llama-cpp-python's low-level API, no server, no
+     HTTP: one ``llama_decode`` per step for all sequences, sluice's greedy chain);
+   * llama-server: ``-t 2 -np 8 -c 32768 -b 512 -ub 512`` (``-c`` is the total over the
+     slots; ``-b`` matches sluice's ``--batch``, ``--llama-batch 2048`` gives
+     llama-server's own default);
+   * sluice: ``python -m sluice serve --threads 2 --parallel 8 --ctx 4096 --batch 512``.
+
+   Both servers are driven by ``bench.py``'s client (one blocking socket and thread per
+   stream): N streaming ``/v1/chat/completions`` requests sent at once, temperature 0,
+   ``ignore_eos``, ``max_tokens`` = ``--tokens`` (default 128), the same distinct prompts
+   (``bench.make_messages``) for the three targets in a round. ``agg`` = completion
+   tokens / wall time (first request sent -> last stream done); ``decode`` = tokens after
+   the first / time after the first token, summed over streams (``bench.sluice_run``
+   and ``RawEngine.run``). The report gives medians over rounds (the per-round values
+   are in the JSON) and the ratios sluice / llama-server and each / raw.
+
+2. **Mixed load**, 4 slots each (``--parallel 4`` / ``-np 4``, the same 4096 tokens per
+   slot): one long chat prompt (~3,300 tokens of distinct deterministic text, 16 tokens
+   out) is sent; 300 ms later four short chat requests (~30-token prompts, 32 tokens out
+   each, streaming) arrive 100 ms apart. Per server and round, three runs, each with
+   prompts no cache has seen (a distinct tag at the start):
+
+   * the four short requests alone, on the same schedule: their inter-token gaps;
+   * the long request alone: its TTFT;
+   * both together: the short requests' TTFT (p50, max), their inter-token gaps that
+     start while the long prompt is still prefilling (before its first token arrives),
+     and the long request's TTFT.
+
+   Figures: short TTFT p50 and max; gap p95 during the prefill / gap p95 alone; long
+   TTFT / long TTFT alone (each ratio per round, then the median over rounds).
+
+Targets (issue 11), printed as met / not met: sluice >= 1.00x llama-server's aggregate
+tok/s at 1, 4 and 8 streams; sluice's short TTFT p50 <= 0.1x llama-server's; sluice's
+gap p95 during the long prefill <= 3x its gap p95 without it; sluice's long TTFT <=
+1.15x its TTFT alone.
+
+Checks (printed and written): other processes' CPU during a measurement above
+``--quiet`` cores (each measurement first waits up to ``--quiet-timeout`` s for a quiet
+machine), prompts of another token count on another target, streams of another length,
+short requests sent after the long prompt had finished prefilling.
+
+Usage::
+
+    .venv/bin/python benchmarks/vs_llama_server.py            # 3 rounds (~10 minutes)
+    .venv/bin/python benchmarks/vs_llama_server.py --quick    # 1 round, fewer tokens
+    .venv/bin/python benchmarks/vs_llama_server.py --rounds 5
+    .venv/bin/python benchmarks/vs_llama_server.py --report benchmarks/results/vs-llama-server-<ts>.json
+
+Writes ``benchmarks/results/vs-llama-server-<timestamp>.json``, ``.md`` and ``.png``,
+and copies the plot to ``vs-llama-server-latest.png``. The plot needs matplotlib:
+``.venv/bin/pip install -e '.[bench]'``. Builds llama-server on first use (about 7
+minutes, cached).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import importlib.util
+import itertools
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+import bench
+import conversation
+from llama_server import build_info, ensure_llama_server
+
+TARGETS = ("raw", "llama-server", "sluice")
+SERVERS = ("llama-server", "sluice")
+LEVELS = (1, 4, 8)
+PARALLEL, MIXED_PARALLEL, CTX, BATCH = 8, 4, 4096, 512
+GOALS = {
+    "throughput_vs_llama_min": 1.00,
+    "short_ttft_p50_vs_llama_max": 0.10,
+    "gap_p95_ratio_max": 3.0,
+    "long_ttft_ratio_max": 1.15,
+}
+INSTALL_HINT = ".venv/bin/pip install -e '.[bench]'  (or: .venv/bin/pip install 'matplotlib>=3.8')"
+
+SHORT_QUESTIONS = [
+    "Why do cats purr when they are happy?",
+    "How far away is the moon from us?",
+    "What makes thunder so loud in storms?",
+    "Why does bread go stale after some days?",
+]
+
+
+# --- prompts ---------------------------------------------------------------------------
+
+
+def tag_of(k: int) -> int:
+    """A 3-digit tag (always the same token count): prompts that differ from their first
+    content token on, so that no prefix cache holds more than the template's opening."""
+    return 100 + k % 900
+
+
+def short_messages(tag: int, i: int) -> list[dict[str, str]]:
+    return [
+        {"role": "system", "content": f"{tag}. Answer briefly."},
+        {"role": "user", "content": SHORT_QUESTIONS[i % len(SHORT_QUESTIONS)]},
+    ]
+
+
+def long_messages(tag: int, words: int) -> list[dict[str, str]]:
+    text = conversation.paragraph(random.Random("vs-llama-server-long"), words)
+    return [
+        {"role": "system", "content": f"{tag}. You are a careful reader."},
+        {
+            "role": "user",
+            "content": "Read this chronicle; I will ask about it. "
+            + text
+            + " Who appears most often in the chronicle?",
+        },
+    ]
+
+
+# --- targets: the raw worker and the two servers ----------------------------------------
+
+
+class RawTarget:
+    """bench.py's raw worker (no server, no HTTP) with the throughput scenario's context."""
+
+    name = "raw"
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.worker = bench.RawWorker(
+            argparse.Namespace(threads=args.threads, parallel=PARALLEL, ctx=CTX, batch=BATCH)
+        )
+        self.pid = self.worker.proc.pid
+        self.cmd = ["benchmarks/bench.py --_raw-worker", f"--threads {args.threads}"]
+        self.cmd += [f"--parallel {PARALLEL} --ctx {CTX} --batch {BATCH}"]
+
+    def run(self, convs: list[list[dict[str, str]]], tokens: int) -> dict[str, Any]:
+        return self.worker.run(convs, tokens)
+
+    def wait_idle(self) -> None:
+        pass  # blocked on its stdin between commands
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+class ServerTarget:
+    """llama-server or sluice, started fresh; driven by bench.py's client."""
+
+    def __init__(self, name: str, parallel: int, args: argparse.Namespace, tag: str) -> None:
+        self.name = name
+        port = bench.free_port()
+        log = args.tmp / f"{name}-{tag}.log"
+        if name == "sluice":
+            cmd = [sys.executable, "-m", "sluice", "serve", "--threads", str(args.threads)]
+            cmd += ["--parallel", str(parallel), "--ctx", str(CTX), "--batch", str(BATCH)]
+            cmd += ["--store", str(args.tmp / f"store-{tag}.sqlite"), "--log-level", "warning"]
+            cmd += ["--port", str(port)]
+            env = {**os.environ, "SLUICE_MODELS_DIR": str(args.tmp / "models")}
+            self.srv = conversation.Proc(name, cmd, port, log, cwd=REPO, env=env)
+        else:
+            cmd = [str(args.llama_server), "-m", str(bench.model_path())]
+            cmd += ["-t", str(args.threads), "-np", str(parallel), "-c", str(parallel * CTX)]
+            cmd += ["-b", str(args.llama_batch), "-ub", str(BATCH)]
+            cmd += ["--host", "127.0.0.1", "--port", str(port)]
+            self.srv = conversation.Proc(name, cmd, port, log)
+        self.port, self.pid = port, self.srv.proc.pid
+        self.cmd = [a.replace(str(args.tmp), "<tmp>") for a in cmd]
+        if name == "sluice":
+            self.cmd.insert(0, "SLUICE_MODELS_DIR=<tmp>/models")
+
+    def run(self, convs: list[list[dict[str, str]]], tokens: int) -> dict[str, Any]:
+        return bench.sluice_run(self.srv, convs, tokens)  # works for any OpenAI server
+
+    def wait_idle(self) -> None:
+        self.srv.wait_idle()
+
+    def close(self) -> None:
+        self.srv.close()
+
+
+def start_target(name: str, parallel: int, args: argparse.Namespace, tag: str) -> Any:
+    return RawTarget(args) if name == "raw" else ServerTarget(name, parallel, args, tag)
+
+
+def measured(target: Any, args: argparse.Namespace, fn: Any) -> dict[str, Any]:
+    """``fn()`` on an idle target and a quiet machine, with others' CPU during it."""
+    target.wait_idle()
+    time.sleep(0.3)  # the previous run's thread pool goes to sleep
+    noise = bench.Noise([target.pid])
+    before = noise.wait_quiet(args.quiet, args.quiet_timeout)
+    noise.start()
+    res = fn()
+    res["foreign_cores"] = noise.stop()
+    res["foreign_cores_before"] = before
+    return res
+
+
+# --- scenario 1: throughput -------------------------------------------------------------
+
+
+def throughput_round(name: str, args: argparse.Namespace, rnd: int) -> dict[str, Any]:
+    """One target, fresh: a warm-up at every level, then each level once."""
+    target = start_target(name, PARALLEL, args, f"throughput-round{rnd}")
+    out: dict[str, Any] = {"round": rnd, "cmd": target.cmd, "levels": {}}
+    try:
+        # Serials: 6 per round (3 warm-up, 3 measured), the same for every target in a
+        # round; bench.make_messages gives each serial 8 consecutive distinct tags.
+        for li, n in enumerate(LEVELS):
+            convs = [bench.make_messages(6 * rnd + li, i) for i in range(n)]
+            target.wait_idle()
+            target.run(convs, 16)
+        for li, n in enumerate(LEVELS):
+            convs = [bench.make_messages(6 * rnd + 3 + li, i) for i in range(n)]
+            res = measured(target, args, lambda c=convs: target.run(c, args.tokens))
+            out["levels"][str(n)] = res
+            print(
+                f"    {name:12s} n={n}: agg {res['agg_tok_s']:7.1f} tok/s  decode "
+                f"{res['decode_tok_s']:7.1f} tok/s  (others used {res['foreign_cores']:.2f} cores)",
+                flush=True,
+            )
+    finally:
+        target.close()
+    return out
+
+
+# --- scenario 2: mixed load -------------------------------------------------------------
+
+
+def staggered(port: int, plan: list[tuple[float, bytes]]) -> list[bench.StreamResult]:
+    """Streams sent at the given offsets (s) from a common start; bench.py's client."""
+    socks = []
+    for _ in plan:  # connected before the clock
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        socks.append(sock)
+    results = [bench.StreamResult() for _ in plan]
+    go = threading.Event()
+    go.set()
+    t0 = time.perf_counter() + 0.05
+
+    def one(i: int) -> None:
+        delay = t0 + plan[i][0] - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        bench._one_stream(socks[i], "127.0.0.1", port, plan[i][1], go, results[i])
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(plan))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(900)
+    for r in results:
+        if not r.t_first or not r.t_done:
+            sys.exit(f"vs_llama_server: a stream did not complete: {bytes(r.raw[:400])!r}")
+    return results
+
+
+def token_times(r: bench.StreamResult) -> list[float]:
+    """Arrival time of every content frame (frames read together share a time)."""
+    return [t for t, k in r.reads for _ in range(k)]
+
+
+def gaps_ms(r: bench.StreamResult, before: float = math.inf) -> list[float]:
+    """Inter-token gaps of a stream (ms) that start before ``before``."""
+    ts = token_times(r)
+    return [(b - a) * 1000 for a, b in itertools.pairwise(ts) if a < before]
+
+
+def stream_facts(r: bench.StreamResult) -> dict[str, Any]:
+    p = bench.parse_sse(r)
+    u = p["usage"] or {}
+    return {
+        "ttft_ms": (r.t_first - r.t_send) * 1000,
+        "prompt_tokens": u.get("prompt_tokens"),
+        "completion_tokens": u.get("completion_tokens"),
+    }
+
+
+def mixed_round(name: str, args: argparse.Namespace, rnd: int) -> dict[str, Any]:
+    """One server, fresh, 4 slots: the short requests alone, the long one alone, both."""
+    target = ServerTarget(name, MIXED_PARALLEL, args, f"mixed-round{rnd}")
+    port = target.port
+    k = 1000 + 16 * rnd  # the tags of this round: k .. k+15, the same on both servers
+    offsets = [args.short_at + i * args.short_every for i in range(4)]
+
+    def shorts(first_tag: int) -> list[tuple[float, bytes]]:
+        return [
+            (
+                at,
+                bench.chat_stream_body(short_messages(tag_of(first_tag + i), i), args.short_tokens),
+            )
+            for i, at in enumerate(offsets)
+        ]
+
+    def long(tag: int) -> tuple[float, bytes]:
+        return 0.0, bench.chat_stream_body(
+            long_messages(tag_of(tag), args.long_words), args.long_tokens
+        )
+
+    out: dict[str, Any] = {"round": rnd, "cmd": target.cmd}
+    try:
+        # Warm-up: a prompt of more than one batch, then four short ones at once.
+        warm = long_messages(tag_of(k), 500)
+        staggered(port, [(0.0, bench.chat_stream_body(warm, 4))])
+        target.wait_idle()
+        staggered(port, [(0.0, body) for _, body in shorts(k + 1)])
+
+        def alone_shorts() -> dict[str, Any]:
+            res = staggered(port, shorts(k + 5))
+            return {
+                "shorts": [stream_facts(r) for r in res],
+                "gaps_ms": [round(g, 2) for r in res for g in gaps_ms(r)],
+            }
+
+        def alone_long() -> dict[str, Any]:
+            return {"long": stream_facts(staggered(port, [long(k + 9)])[0])}
+
+        def mixed() -> dict[str, Any]:
+            res = staggered(port, [long(k + 10), *shorts(k + 11)])
+            lg, sh = res[0], res[1:]
+            return {
+                "long": stream_facts(lg),
+                "shorts": [stream_facts(r) for r in sh],
+                "gaps_ms_during_prefill": [
+                    round(g, 2) for r in sh for g in gaps_ms(r, before=lg.t_first)
+                ],
+                "shorts_sent_before_long_first": all(r.t_send < lg.t_first for r in sh),
+                "shorts_done_before_long_first": sum(r.t_done < lg.t_first for r in sh),
+            }
+
+        a = measured(target, args, alone_shorts)
+        b = measured(target, args, alone_long)
+        m = measured(target, args, mixed)
+    finally:
+        target.close()
+    out |= {"alone_shorts": a, "alone_long": b, "mixed": m}
+    s_ttft = [s["ttft_ms"] for s in m["shorts"]]
+    out["figures"] = fig = {
+        "short_ttft_p50_ms": bench.pct(s_ttft, 50),
+        "short_ttft_max_ms": max(s_ttft),
+        "short_ttft_alone_p50_ms": bench.pct([s["ttft_ms"] for s in a["shorts"]], 50),
+        "gap_p95_during_prefill_ms": bench.pct(m["gaps_ms_during_prefill"], 95),
+        "gaps_during_prefill": len(m["gaps_ms_during_prefill"]),
+        "gap_p95_alone_ms": bench.pct(a["gaps_ms"], 95),
+        "long_ttft_ms": m["long"]["ttft_ms"],
+        "long_ttft_alone_ms": b["long"]["ttft_ms"],
+    }
+    fig["gap_p95_ratio"] = fig["gap_p95_during_prefill_ms"] / fig["gap_p95_alone_ms"]
+    fig["long_ttft_ratio"] = fig["long_ttft_ms"] / fig["long_ttft_alone_ms"]
+    print(
+        f"    {name:12s} long prompt {m['long']['prompt_tokens']} tok: TTFT "
+        f"{fig['long_ttft_ms']:.0f} ms (alone {fig['long_ttft_alone_ms']:.0f}); short TTFT p50 "
+        f"{fig['short_ttft_p50_ms']:.0f} max {fig['short_ttft_max_ms']:.0f} ms (alone "
+        f"{fig['short_ttft_alone_p50_ms']:.0f}); gap p95 during prefill "
+        f"{fig['gap_p95_during_prefill_ms']:.0f} ms over {fig['gaps_during_prefill']} gaps "
+        f"(alone {fig['gap_p95_alone_ms']:.0f})",
+        flush=True,
+    )
+    return out
+
+
+# --- summary ----------------------------------------------------------------------------
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b and not math.isnan(b) else math.nan
+
+
+def summarize(runs: dict[str, Any]) -> dict[str, Any]:
+    med = bench.med
+    tp: dict[str, Any] = {}
+    for n in map(str, LEVELS):
+        row: dict[str, Any] = {}
+        per: dict[str, list[dict[str, Any]]] = {}
+        for t in TARGETS:
+            per[t] = [r["levels"][n] for r in runs["throughput"][t]]
+            cpu_key = "proc_cpu_s" if t == "raw" else "server_cpu_s"
+            row[t] = {
+                "agg_tok_s": med([x["agg_tok_s"] for x in per[t]]),
+                "decode_tok_s": med([x["decode_tok_s"] for x in per[t]]),
+                "agg_tok_s_rounds": [x["agg_tok_s"] for x in per[t]],
+                "decode_tok_s_rounds": [x["decode_tok_s"] for x in per[t]],
+                "cpu_ms_per_token": med(
+                    [x[cpu_key] * 1000 / (int(n) * tokens_per_stream(x)) for x in per[t]]
+                ),
+            }
+        for kind in ("agg", "decode"):
+            key = f"{kind}_tok_s"
+            row[f"sluice_vs_llama_{kind}"] = ratio(row["sluice"][key], row["llama-server"][key])
+            row[f"sluice_vs_llama_{kind}_paired"] = med(
+                [ratio(s[key], ls[key]) for s, ls in zip(per["sluice"], per["llama-server"])]
+            )
+            row[f"llama_vs_raw_{kind}"] = ratio(row["llama-server"][key], row["raw"][key])
+            row[f"sluice_vs_raw_{kind}"] = ratio(row["sluice"][key], row["raw"][key])
+        tp[n] = row
+    mixed: dict[str, Any] = {}
+    for s in SERVERS:
+        figs = [r["figures"] for r in runs["mixed"][s]]
+        mixed[s] = {k: med([f[k] for f in figs]) for k in figs[0]}
+        mixed[s]["rounds"] = figs
+        mixed[s]["long_prompt_tokens"] = runs["mixed"][s][0]["mixed"]["long"]["prompt_tokens"]
+        mixed[s]["short_prompt_tokens"] = [
+            x["prompt_tokens"] for x in runs["mixed"][s][0]["mixed"]["shorts"]
+        ]
+    mixed["short_ttft_p50_sluice_vs_llama"] = ratio(
+        mixed["sluice"]["short_ttft_p50_ms"], mixed["llama-server"]["short_ttft_p50_ms"]
+    )
+    return {"throughput": tp, "mixed": mixed}
+
+
+def tokens_per_stream(res: dict[str, Any]) -> int:
+    return int(res.get("tokens_per_seq") or res["completion_tokens"][0])
+
+
+def targets_met(summary: dict[str, Any]) -> dict[str, bool]:
+    def ok(x: float, pred: Any) -> bool:
+        return not math.isnan(x) and bool(pred(x))
+
+    tp, mx = summary["throughput"], summary["mixed"]
+    met = {
+        f"sluice >= 1.00x llama-server agg tok/s at {n} stream{'s' * (n > 1)}": ok(
+            tp[str(n)]["sluice_vs_llama_agg"], lambda x: x >= GOALS["throughput_vs_llama_min"]
+        )
+        for n in LEVELS
+    }
+    met["short TTFT p50 <= 0.1x llama-server's"] = ok(
+        mx["short_ttft_p50_sluice_vs_llama"], lambda x: x <= GOALS["short_ttft_p50_vs_llama_max"]
+    )
+    met["gap p95 during the long prefill <= 3x without"] = ok(
+        mx["sluice"]["gap_p95_ratio"], lambda x: x <= GOALS["gap_p95_ratio_max"]
+    )
+    met["long TTFT <= 1.15x alone"] = ok(
+        mx["sluice"]["long_ttft_ratio"], lambda x: x <= GOALS["long_ttft_ratio_max"]
+    )
+    return met
+
+
+def checks(runs: dict[str, Any], args: argparse.Namespace) -> list[str]:
+    out = []
+    quiet = args.quiet
+    for t, rounds in runs["throughput"].items():
+        for r in rounds:
+            for n, x in r["levels"].items():
+                where = f"throughput {t} round {r['round']} n={n}"
+                if x["foreign_cores"] > quiet:
+                    out.append(f"{where}: other processes used {x['foreign_cores']:.2f} cores")
+                if t != "raw" and any(c != args.tokens for c in x["completion_tokens"]):
+                    out.append(f"{where}: completion tokens {x['completion_tokens']}")
+    for rnd in range(len(runs["throughput"]["raw"])):
+        for n in map(str, LEVELS):
+            counts = {t: runs["throughput"][t][rnd]["levels"][n]["prompt_tokens"] for t in TARGETS}
+            if len({json.dumps(c) for c in counts.values()}) > 1:
+                out.append(f"throughput round {rnd + 1} n={n}: prompt tokens differ: {counts}")
+    for s, rounds in runs["mixed"].items():
+        for r in rounds:
+            where = f"mixed {s} round {r['round']}"
+            for part in ("alone_shorts", "alone_long", "mixed"):
+                if r[part]["foreign_cores"] > quiet:
+                    out.append(
+                        f"{where} ({part}): other processes used "
+                        f"{r[part]['foreign_cores']:.2f} cores"
+                    )
+            m = r["mixed"]
+            if not m["shorts_sent_before_long_first"]:
+                out.append(f"{where}: a short request was sent after the long prefill ended")
+            lens = [x["completion_tokens"] for x in m["shorts"] + r["alone_shorts"]["shorts"]]
+            if any(c != args.short_tokens for c in lens):
+                out.append(f"{where}: short completion tokens {lens}")
+            if s == "sluice" and r["figures"]["gaps_during_prefill"] == 0:
+                out.append(
+                    f"{where}: no short stream produced two tokens during the long prefill "
+                    "(gap p95 during the prefill: n/a)"
+                )
+    for rnd, (a, b) in enumerate(zip(runs["mixed"]["sluice"], runs["mixed"]["llama-server"]), 1):
+        pa = [a["mixed"]["long"]["prompt_tokens"]] + [
+            x["prompt_tokens"] for x in a["mixed"]["shorts"]
+        ]
+        pb = [b["mixed"]["long"]["prompt_tokens"]] + [
+            x["prompt_tokens"] for x in b["mixed"]["shorts"]
+        ]
+        if pa != pb:
+            out.append(f"mixed round {rnd}: prompt tokens sluice {pa} vs llama-server {pb}")
+    return out
+
+
+# --- report -----------------------------------------------------------------------------
+
+
+def fmt(x: float, spec: str = ".0f") -> str:
+    return "n/a" if x is None or math.isnan(x) else format(x, spec)
+
+
+def throughput_table(summary: dict[str, Any], markdown: bool) -> str:
+    head = ["streams", "raw agg", "llama agg", "sluice agg", "sluice/llama", "llama/raw"]
+    head += ["sluice/raw", "raw dec", "llama dec", "sluice dec", "sluice/llama dec"]
+    head += ["CPU ms/tok raw / llama / sluice"]
+    rows = []
+    for n in map(str, LEVELS):
+        x = summary["throughput"][n]
+        rows.append(
+            [
+                n,
+                *(fmt(x[t]["agg_tok_s"], ".1f") for t in TARGETS),
+                fmt(x["sluice_vs_llama_agg"], ".3f"),
+                fmt(x["llama_vs_raw_agg"], ".3f"),
+                fmt(x["sluice_vs_raw_agg"], ".3f"),
+                *(fmt(x[t]["decode_tok_s"], ".1f") for t in TARGETS),
+                fmt(x["sluice_vs_llama_decode"], ".3f"),
+                " / ".join(fmt(x[t]["cpu_ms_per_token"], ".2f") for t in TARGETS),
+            ]
+        )
+    return bench.render_table(head, rows, markdown)
+
+
+MIXED_ROWS = [
+    ("short TTFT p50, ms", "short_ttft_p50_ms", ".0f"),
+    ("short TTFT max, ms", "short_ttft_max_ms", ".0f"),
+    ("short TTFT p50 alone, ms", "short_ttft_alone_p50_ms", ".0f"),
+    ("short gap p95 during the long prefill, ms", "gap_p95_during_prefill_ms", ".0f"),
+    ("short gaps during the long prefill (count)", "gaps_during_prefill", ".0f"),
+    ("short gap p95 alone, ms", "gap_p95_alone_ms", ".1f"),
+    ("gap p95 ratio (during / alone)", "gap_p95_ratio", ".2f"),
+    ("long TTFT, ms", "long_ttft_ms", ".0f"),
+    ("long TTFT alone, ms", "long_ttft_alone_ms", ".0f"),
+    ("long TTFT ratio (mixed / alone)", "long_ttft_ratio", ".3f"),
+]
+
+
+def mixed_table(summary: dict[str, Any], markdown: bool) -> str:
+    mx = summary["mixed"]
+    head = ["", "sluice", "llama-server", "sluice/llama"]
+    rows = [
+        [
+            "prompt tokens (long; shorts)",
+            *(
+                f"{mx[s]['long_prompt_tokens']}; {mx[s]['short_prompt_tokens']}"
+                for s in SERVERS[::-1]
+            ),
+            "",
+        ]
+    ]
+    for label, key, spec in MIXED_ROWS:
+        a, b = mx["sluice"][key], mx["llama-server"][key]
+        rows.append([label, fmt(a, spec), fmt(b, spec), fmt(ratio(a, b), ".3f")])
+    return bench.render_table(head, rows, markdown)
+
+
+def plot(res: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        sys.exit(f"vs_llama_server: the plot needs matplotlib: {INSTALL_HINT}")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib import ticker
+
+    tp, mx = res["summary"]["throughput"], res["summary"]["mixed"]
+    colors = {"raw": "#9e9e9e", "llama-server": "#4c72b0", "sluice": "#dd8452"}
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
+    width = 0.27
+    for i, t in enumerate(TARGETS):
+        xs = [j + (i - 1) * width for j in range(len(LEVELS))]
+        ys = [tp[str(n)][t]["agg_tok_s"] for n in LEVELS]
+        bars = ax1.bar(xs, ys, width, label=t, color=colors[t])
+        ax1.bar_label(bars, fmt=" %.0f", fontsize=7, rotation=90, padding=2)
+    ax1.set_xticks(
+        range(len(LEVELS)),
+        [
+            f"{n} stream{'s' * (n > 1)}\nsluice/llama {fmt(tp[str(n)]['sluice_vs_llama_agg'], '.2f')}x"
+            for n in LEVELS
+        ],
+        fontsize=8,
+    )
+    ax1.set_ylabel("aggregate tok/s (median over rounds)")
+    ax1.set_title("Throughput, 8 slots each")
+    ax1.legend(loc="upper left", fontsize=8)
+    ax1.margins(y=0.15)
+
+    groups = [
+        ("short TTFT p50 (s)", lambda s: mx[s]["short_ttft_p50_ms"] / 1000),
+        ("short gap p95:\nduring long prefill / alone", lambda s: mx[s]["gap_p95_ratio"]),
+        ("long TTFT:\nmixed / alone", lambda s: mx[s]["long_ttft_ratio"]),
+    ]
+    goals = [
+        GOALS["short_ttft_p50_vs_llama_max"] * mx["llama-server"]["short_ttft_p50_ms"] / 1000,
+        GOALS["gap_p95_ratio_max"],
+        GOALS["long_ttft_ratio_max"],
+    ]
+    width = 0.36
+    for i, s in enumerate(SERVERS):
+        for j, (_, value) in enumerate(groups):
+            v = value(s)
+            x = j + (i - 0.5) * width
+            if math.isnan(v):
+                ax2.text(x, 1, "n/a\n(no token\nduring it)", ha="center", va="bottom", fontsize=7)
+                continue
+            ax2.bar(x, v, width, color=colors[s], label=s if j == 0 else None)
+            ax2.text(x, v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
+    for j, g in enumerate(goals):
+        if not math.isnan(g):
+            ax2.hlines(
+                g, j - 0.03, j + width + 0.03, colors="black", linestyles="dashed", linewidth=1
+            )
+    ax2.plot([], [], "k--", linewidth=1, label="sluice's target")
+    shown = [v for s in SERVERS for _, value in groups if (v := value(s)) > 0] + goals
+    shown = [v for v in shown if not math.isnan(v)]
+    ax2.set_yscale("log")  # seconds and ratios from ~0.05 to ~20 on one axis
+    if shown:
+        ax2.set_ylim(min(shown) / 3, max(shown) * 3)
+    ax2.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax2.yaxis.set_minor_formatter(ticker.NullFormatter())
+    ax2.set_ylabel("log scale")
+    ax2.set_xticks(range(len(groups)), [g[0] for g in groups], fontsize=8)
+    ax2.set_title("Mixed load: a ~3,300-token prompt + 4 short requests, 4 slots each")
+    ax2.title.set_fontsize(9)
+    ax2.legend(fontsize=8)
+    mach = res["machine"]
+    fig.suptitle(
+        f"sluice vs llama-server, SmolLM2-135M Q4_1, {res['settings']['threads']} threads, "
+        f"{res['date'][:10]}, {mach['cpu_model']} ({mach['cores']} cores)",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(res: dict[str, Any], out_dir: Path) -> None:
+    summary, met, mach, st = res["summary"], res["met"], res["machine"], res["settings"]
+    load, bi, stem = (
+        res["load_average"],
+        res["llama_server_build"],
+        f"vs-llama-server-{res['stamp']}",
+    )
+    print(
+        f"\n{throughput_table(summary, markdown=False)}\n\n{mixed_table(summary, markdown=False)}\n"
+    )
+    for name, ok in met.items():
+        print(f"target {name}: {'met' if ok else 'NOT met'}")
+    print(f"load average: start {load['start']}, end {load['end']}")
+    for c in res["checks"]:
+        print("check:", c)
+    foreign = [
+        x["foreign_cores"]
+        for rs in res["runs"]["throughput"].values()
+        for r in rs
+        for x in r["levels"].values()
+    ] + [
+        r[p]["foreign_cores"]
+        for rs in res["runs"]["mixed"].values()
+        for r in rs
+        for p in ("alone_shorts", "alone_long", "mixed")
+    ]
+    cmds = st["cmds"]
+    same = {
+        t: [
+            (x["texts_equal_to_raw"], int(n))
+            for r in res["runs"]["throughput"][t]
+            for n, x in r["levels"].items()
+        ]
+        for t in SERVERS
+    }
+    same_line = "greedy texts equal to raw's, all runs: " + ", ".join(
+        f"{t} {sum(a for a, _ in v)}/{sum(b for _, b in v)}" for t, v in same.items()
+    )
+    print(same_line)
+    md = (
+        f"# sluice vs llama-server, {res['date']}\n\n"
+        f"SmolLM2-135M-Instruct Q4_1, {st['threads']} threads for every process, "
+        f"{st['rounds']} round{'s' * (st['rounds'] > 1)} (the order of the targets rotates every round; one target "
+        "running at a time; every server and the raw worker started fresh for each round of "
+        f"each scenario), {CTX} tokens of context per slot. The same client for both servers "
+        "(bench.py's: one blocking socket per stream, streaming `/v1/chat/completions`, "
+        "temperature 0, `ignore_eos`).\n\n"
+        f"Machine: {mach['cpu_model']}, {mach['cores']} cores; {mach['platform']}; Python "
+        f"{mach['python']}, llama-cpp-python {mach['llama_cpp_python']}; git "
+        f"{str(mach['git_commit'])[:10]}{' (src dirty)' if mach['git_dirty'] else ''}; load "
+        f"average {load['start']} -> {load['end']}; others' CPU during a measurement at most "
+        f"{max(foreign):.2f} cores.\n\n"
+        "Commands:\n\n"
+        f"- raw: `{' '.join(cmds['raw'])}` (no server, no HTTP)\n"
+        f"- llama-server: `{' '.join(cmds['llama-server'])}` (throughput); "
+        f"`{' '.join(cmds['llama-server-mixed'])}` (mixed), built from llama-cpp-python "
+        f"{bi.get('llama_cpp_python')}'s vendored llama.cpp with "
+        f"`{' '.join(bi.get('cmake_flags', []))}`\n"
+        f"- sluice: `{' '.join(cmds['sluice'])}` (throughput); "
+        f"`{' '.join(cmds['sluice-mixed'])}` (mixed)\n\n"
+        + (f"Note: {st['note']}\n\n" if st.get("note") else "")
+        + f"![sluice vs llama-server]({stem}.png)\n\n"
+        f"## Throughput: 1, 4, 8 streams, 8 slots each, {st['tokens']} tokens per stream\n\n"
+        + throughput_table(summary, markdown=True)
+        + "\n\ntok/s, medians over rounds. agg = completion tokens / wall time (first request "
+        "sent -> last stream done); dec = tokens after the first / time after the first "
+        "token, summed over streams; ratios of the medians (the paired per-round ratios are in "
+        "the JSON); CPU ms/tok = the server's (or raw worker's) CPU time per generated token. "
+        f"{same_line} (batched float math may flip a late greedy tie).\n\n"
+        f"## Mixed load: a {summary['mixed']['sluice']['long_prompt_tokens']}-token prompt and "
+        "4 short requests, 4 slots each\n\n"
+        + mixed_table(summary, markdown=True)
+        + f"\n\nThe long prompt ({st['long_tokens']} tokens out) is sent at 0; the four short "
+        f"requests ({st['short_tokens']} tokens out each) at {st['short_at'] * 1000:.0f} ms "
+        f"and then every {st['short_every'] * 1000:.0f} ms. TTFT = request sent -> first "
+        "content chunk, client side. Gaps during the long prefill = the short streams' "
+        "inter-token gaps that start before the long request's first token; alone = the same "
+        "four requests, same schedule, without the long one. Medians over rounds of the "
+        "per-round figures (per-round values in the JSON).\n\n"
+        "## Targets\n\n" + bench.targets_and_checks(met, res["checks"], st["reproduce"])
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    bench.save_report(out_dir, stem, res, md)
+    png = out_dir / f"{stem}.png"
+    plot(res, png)
+    shutil.copyfile(png, out_dir / "vs-llama-server-latest.png")
+    print(f"wrote {png} and {out_dir / 'vs-llama-server-latest.png'}")
+
+
+# --- main -------------------------------------------------------------------------------
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help="1 round, fewer tokens, a shorter long prompt"
+    )
+    ap.add_argument("--rounds", type=int, default=None, help="rounds (default 3, --quick 1)")
+    ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads, every process")
+    ap.add_argument("--tokens", type=int, default=None, help="throughput: tokens per stream (128)")
+    ap.add_argument(
+        "--long-words", type=int, default=None, help="the long prompt, words (2860: ~3,300 tokens)"
+    )
+    ap.add_argument("--short-tokens", type=int, default=None, help="tokens per short request (32)")
+    ap.add_argument("--short-at", type=float, default=0.3, help="first short request, s after")
+    ap.add_argument("--short-every", type=float, default=0.1, help="s between short requests")
+    ap.add_argument(
+        "--llama-batch", type=int, default=BATCH, help="llama-server -b (default 512 = sluice's)"
+    )
+    ap.add_argument("--quiet", type=float, default=0.3, help="noise threshold, in cores")
+    ap.add_argument("--quiet-timeout", type=float, default=None, help="s (default 20, quick 3)")
+    ap.add_argument("--out-dir", type=Path, default=HERE / "results")
+    ap.add_argument("--note", default="", help="a note stored with the results")
+    ap.add_argument("--report", type=Path, help="rewrite the .md and .png of a results .json")
+    args = ap.parse_args()
+    if importlib.util.find_spec("matplotlib") is None:
+        sys.exit(f"vs_llama_server: the plot needs matplotlib: {INSTALL_HINT}")
+    if args.report:
+        write_report(json.loads(args.report.read_text()), args.report.parent)
+        return
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # processes closed on the way out
+    reproduce = ".venv/bin/python benchmarks/vs_llama_server.py" + " --quick" * args.quick
+    reproduce += f" --rounds {args.rounds}" * bool(args.rounds)
+    reproduce += f" --threads {args.threads}" * (args.threads != 2)
+    reproduce += f" --llama-batch {args.llama_batch}" * (args.llama_batch != BATCH)
+    args.rounds = args.rounds or (1 if args.quick else 3)
+    args.tokens = args.tokens or (32 if args.quick else 128)
+    args.long_words = args.long_words or (1000 if args.quick else 2860)
+    args.short_tokens = args.short_tokens or (16 if args.quick else 32)
+    args.long_tokens = 16
+    if args.quiet_timeout is None:
+        args.quiet_timeout = 3.0 if args.quick else 20.0
+    args.llama_server = ensure_llama_server()  # built (once) before anything is timed
+    args.tmp = Path(tempfile.mkdtemp(prefix="sluice-vs-llama-server-"))
+    (args.tmp / "models").mkdir()
+    started, load_start = _dt.datetime.now().astimezone(), bench.loadavg()
+    print(
+        f"vs_llama_server: rounds={args.rounds} threads={args.threads} tokens={args.tokens} "
+        f"load={load_start}; logs in {args.tmp}",
+        flush=True,
+    )
+    runs: dict[str, Any] = {
+        "throughput": {t: [] for t in TARGETS},
+        "mixed": {s: [] for s in SERVERS},
+    }
+    cmds: dict[str, list[str]] = {}
+    for rnd in range(1, args.rounds + 1):
+        order = TARGETS[(rnd - 1) % 3 :] + TARGETS[: (rnd - 1) % 3]
+        print(f"  round {rnd}/{args.rounds}: throughput, {' -> '.join(order)}", flush=True)
+        for t in order:
+            r = throughput_round(t, args, rnd)
+            cmds[t] = r["cmd"]
+            runs["throughput"][t].append(r)
+        order2 = SERVERS[(rnd - 1) % 2 :] + SERVERS[: (rnd - 1) % 2]
+        print(f"  round {rnd}/{args.rounds}: mixed load, {' -> '.join(order2)}", flush=True)
+        for s in order2:
+            r = mixed_round(s, args, rnd)
+            cmds[f"{s}-mixed"] = r["cmd"]
+            runs["mixed"][s].append(r)
+    for t in TARGETS:  # the texts were only needed for the checks below
+        for r in runs["throughput"][t]:
+            for n, x in r["levels"].items():
+                if t != "raw":
+                    raw_texts = runs["throughput"]["raw"][r["round"] - 1]["levels"][n]["texts"]
+                    x["texts_equal_to_raw"] = sum(a == b for a, b in zip(x["texts"], raw_texts))
+    for t in TARGETS:
+        for r in runs["throughput"][t]:
+            for x in r["levels"].values():
+                x.pop("texts", None)
+    summary = summarize(runs)
+    res = {
+        "date": started.isoformat(timespec="seconds"),
+        "stamp": started.strftime("%Y-%m-%d-%H%M%S"),
+        "finished": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "machine": bench.machine_info(),
+        "llama_server_build": build_info(args.llama_server),
+        "load_average": {"start": load_start, "end": bench.loadavg()},
+        "settings": {
+            "rounds": args.rounds,
+            "threads": args.threads,
+            "levels": list(LEVELS),
+            "parallel": PARALLEL,
+            "mixed_parallel": MIXED_PARALLEL,
+            "ctx_per_slot": CTX,
+            "batch": BATCH,
+            "llama_batch": args.llama_batch,
+            "tokens": args.tokens,
+            "long_words": args.long_words,
+            "long_tokens": args.long_tokens,
+            "short_tokens": args.short_tokens,
+            "short_at": args.short_at,
+            "short_every": args.short_every,
+            "quiet_threshold_cores": args.quiet,
+            "quick": args.quick,
+            "cmds": cmds,
+            "note": args.note,
+            "reproduce": reproduce,
+        },
+        "goals": GOALS,
+        "summary": summary,
+        "runs": runs,
+    }
+    res["met"] = targets_met(summary)
+    res["checks"] = checks(runs, args)
+    write_report(res, args.out_dir)
+    shutil.rmtree(args.tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
