@@ -59,6 +59,12 @@ def pid() -> int:
 
 @server.tool(description="Sleep for some seconds, leaving marker files")
 async def slow(seconds: float, marker: str) -> str:
+    # MCP_TEST_MARKERS=<dir>: the markers go there (named by the marker's last part) and the
+    # call lasts at least 30 s, whatever a model wrote as its arguments.
+    folder = os.environ.get("MCP_TEST_MARKERS")
+    if folder:
+        marker = str(Path(folder) / (Path(marker).name or "slow"))
+        seconds = max(seconds, 30.0)
     Path(f"{marker}.started").write_text(str(os.getpid()))
     try:
         await anyio.sleep(seconds)

@@ -174,6 +174,17 @@ async def test_bad_calls_are_failures_the_model_is_told_about(
     assert told["role"] == "tool" and told["content"] == f"Error: {result.reason}"
 
 
+async def test_a_call_cut_by_the_token_limit_is_a_failure_and_not_run() -> None:
+    cut = [Start(0, 10), ToolCallStart(0, 0, "call_1", "add"), ToolCallDelta(0, 0, '{"a": 1'),
+           Finish(0, "length", Usage(0, 10, 8))]  # fmt: skip
+    tools = FakeTools()
+    events, asked, _ = await run([cut], tools)
+    assert tools.calls == [] and asked == []
+    (result,) = [e for e in events if isinstance(e, ToolResult)]
+    assert result.failure == "invalid_arguments" and "max tokens" in (result.reason or "")
+    assert result.provider == ADD.provider
+
+
 async def test_a_failing_server_is_a_tool_error() -> None:
     events, _, _ = await run([calling("add", '{"a": 1, "b": 2}'), answering("x")], FakeTools(True))
     (result,) = [e for e in events if isinstance(e, ToolResult)]

@@ -186,6 +186,18 @@ class ToolLoop:
                 if isinstance(event, ErrorEvent):
                     return
             finish = self._current.finish
+            if finish is not None and finish.reason == "length" and self._current.calls:
+                # Cut off inside a call: not run, and said so (no dangling tool_call.start).
+                for index in sorted(self._current.calls):
+                    call = self._current.calls[index]
+                    spec = self._specs.get(call.name)
+                    yield ToolResult(
+                        0, index, call.name, None, failure="invalid_arguments",
+                        reason=f"The output ended (max tokens) before the arguments of "
+                        f"{call.name} were complete.",
+                        provider=spec.provider if spec is not None else None,
+                    )  # fmt: skip
+                return
             if finish is None or finish.reason != "tool_calls" or not self._current.calls:
                 return
             rounds += 1
