@@ -174,3 +174,32 @@ def http_server(handle: Callable[[BaseHTTPRequestHandler], None]) -> Iterator[st
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+MCP_TEST_SERVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mcp_server.py")
+
+
+@contextlib.contextmanager
+def mcp_http_server(env: dict[str, str] | None = None) -> Iterator[str]:
+    """The MCP test server (``tests/mcp_server.py``) over streamable HTTP; yields its URL."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, MCP_TEST_SERVER, "http", "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, **(env or {})},
+    )
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            assert proc.poll() is None, "the MCP test server exited"
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the MCP test server did not start"
+                time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}/mcp"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

@@ -10,9 +10,7 @@ loopback (the HTTP test server).
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,7 +24,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import itertools
 
-from servers import serve_process
+from servers import mcp_http_server, serve_process
 
 from .helpers import QUIET, parse_sse
 
@@ -40,12 +38,6 @@ GEMMA_TEMPLATE = (
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def markers() -> Iterator[Path]:
     """Where the HTTP test server's `slow` tool leaves its marker files."""
@@ -55,27 +47,8 @@ def markers() -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def mcp_url(markers: Path) -> Iterator[str]:
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, str(TESTS / "mcp_server.py"), "http", "--port", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, "MCP_TEST_MARKERS": str(markers)},
-    )
-    try:
-        deadline = time.monotonic() + 15
-        while True:
-            assert proc.poll() is None, "the MCP test server exited"
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the MCP test server did not start"
-                time.sleep(0.05)
-        yield f"http://127.0.0.1:{port}/mcp"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+    with mcp_http_server({"MCP_TEST_MARKERS": str(markers)}) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -339,10 +312,10 @@ def test_a_disconnect_mid_tool_call_leaves_nothing_running(
         assert b"event: tool_call.arguments" in received
         assert b"tool_call.success" not in received and b"tool_call.failure" not in received
     # The client is gone: the call is cancelled on the MCP server, the slot is free.
-    wait_for(lambda: list(markers.glob("*.cancelled")), 15, "the tool call was cancelled")
+    wait_for(lambda: list(markers.glob("*.cancelled")), 30, "the tool call was cancelled")
     assert not list(markers.glob("*.done"))
     wait_for(
         lambda: httpx.get(f"{base}/health", timeout=5).json()["slots"]["active"] == 0,
-        15,
+        30,
         "the slot is free",
     )

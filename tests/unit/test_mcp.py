@@ -9,7 +9,6 @@ import logging
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -18,6 +17,7 @@ from typing import Any
 
 import pytest
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+from servers import free_port, mcp_http_server
 
 from sluice.config import Settings
 from sluice.errors import IntegrationNotAllowed, InvalidRequest, McpConnectionError
@@ -40,34 +40,10 @@ SERVER = str(Path(__file__).resolve().parent.parent / "mcp_server.py")
 TOOLS = {"add", "echo", "pid", "slow", "fail", "big"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def http_url() -> Iterator[str]:
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, SERVER, "http", "--port", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 15
-        while True:
-            assert proc.poll() is None, "the MCP test server exited"
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the MCP test server did not start"
-                time.sleep(0.05)
-        yield f"http://127.0.0.1:{port}/mcp"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+    with mcp_http_server() as url:
+        yield url
 
 
 def _settings(tmp_path: Path, http_url: str, **overrides: Any) -> Settings:
@@ -368,7 +344,7 @@ async def test_cancelled_call_cancels_the_tool(
 
 
 async def test_unreachable_server(make: Callable[..., McpManager]) -> None:
-    url = f"http://127.0.0.1:{_free_port()}/mcp"
+    url = f"http://127.0.0.1:{free_port()}/mcp"
     with pytest.raises(McpConnectionError, match="MCP server gone: ") as info:
         await make().toolset([_ephemeral(url, "gone")])
     assert "onnect" in info.value.message  # the cause: a connection error

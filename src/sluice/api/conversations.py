@@ -24,7 +24,7 @@ from starlette.responses import Response
 
 from sluice.api.body import read_body
 from sluice.api.keys import key_name
-from sluice.api.routes import field_path, validate_body, wants_sse
+from sluice.api.routes import validate_body, wants_sse
 from sluice.api.sse import (
     SSEResponse,
     error_response,
@@ -33,7 +33,13 @@ from sluice.api.sse import (
     sse_stream,
 )
 from sluice.errors import ConversationNotFound, InvalidRequest, ShuttingDown, SluiceError
-from sluice.protocol.body import BodyLimits, check_body_limits, parse_json_body, paused_gc
+from sluice.protocol.body import (
+    BodyLimits,
+    check_body_limits,
+    field_path,
+    parse_json_body,
+    paused_gc,
+)
 from sluice.protocol.openai import ChatCompletionRequest, ChatMessage
 from sluice.serving.backend import ResponseStream
 from sluice.serving.dispatch import SlotLease

@@ -24,7 +24,13 @@ from sluice.api.sse import (
 )
 from sluice.catalog import ModelSpec
 from sluice.errors import InvalidRequest, ModelNotFound, ShuttingDown, SluiceError
-from sluice.protocol.body import BodyLimits, check_body_limits, parse_json_body, paused_gc
+from sluice.protocol.body import (
+    BodyLimits,
+    check_body_limits,
+    field_path,
+    parse_json_body,
+    paused_gc,
+)
 from sluice.protocol.openai import ChatCompletionRequest, CompletionRequest
 from sluice.serving.accumulate import Fold
 from sluice.serving.dispatch import UpstreamTarget
@@ -63,29 +69,6 @@ def validate_body(data: dict[str, Any], model: type[M]) -> M:
     if unknown:
         log.info("ignoring unknown request fields: %s", ", ".join(unknown))
     return parsed
-
-
-def field_path(loc: tuple[int | str, ...], data: Any, *, missing: bool = False) -> str:
-    """``messages[0].content`` from pydantic's location, without its union-member tags.
-
-    Pydantic puts the member it tried into the location (``prompt.str``,
-    ``content.list[ContentPart]``); a step that is not a key or index of the body
-    there is such a tag, except the last step of a missing field.
-    """
-    path = ""
-    node = data
-    for i, step in enumerate(loc):
-        if isinstance(step, int) and isinstance(node, list) and 0 <= step < len(node):
-            node = node[step]
-            path += f"[{step}]"
-        elif (
-            isinstance(step, str)
-            and isinstance(node, dict)
-            and (step in node or (missing and i == len(loc) - 1))
-        ):
-            node = node.get(step)
-            path += f".{step}" if path else step
-    return path
 
 
 def wants_sse(request: Request) -> bool:

@@ -239,3 +239,26 @@ def check_body_limits(data: dict[str, Any], limits: BodyLimits) -> None:
             "(--max-logit-bias).",
             param="logit_bias",
         )
+
+
+def field_path(loc: tuple[int | str, ...], data: Any, *, missing: bool = False) -> str:
+    """``messages[0].content`` from pydantic's location, without its union-member tags.
+
+    Pydantic puts the member it tried into the location (``prompt.str``,
+    ``content.list[ContentPart]``); a step that is not a key or index of the body
+    there is such a tag, except the last step of a missing field.
+    """
+    path = ""
+    node = data
+    for i, step in enumerate(loc):
+        if isinstance(step, int) and isinstance(node, list) and 0 <= step < len(node):
+            node = node[step]
+            path += f"[{step}]"
+        elif (
+            isinstance(step, str)
+            and isinstance(node, dict)
+            and (step in node or (missing and i == len(loc) - 1))
+        ):
+            node = node.get(step)
+            path += f".{step}" if path else step
+    return path

@@ -37,6 +37,7 @@ from pydantic import (
 from sluice.engine.types import SamplingParams
 from sluice.errors import InvalidRequest, ReasoningUnsupported
 from sluice.parsers.registry import detect_reasoning
+from sluice.protocol.body import field_path
 from sluice.serving.request import GenerationRequest
 
 log = logging.getLogger("sluice.api")
@@ -291,28 +292,9 @@ def parse(data: dict[str, Any], model: type[M]) -> M:
         parsed = model.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
-        field = _field_path(first["loc"], data, missing=first["type"] == "missing")
+        field = field_path(first["loc"], data, missing=first["type"] == "missing")
         raise InvalidRequest(f"Invalid '{field}': {first['msg']}", param=field or None) from exc
     unknown = parsed.unknown_fields()
     if unknown:
         log.info("ignoring unknown request fields: %s", ", ".join(unknown))
     return parsed
-
-
-def _field_path(loc: tuple[int | str, ...], data: Any, *, missing: bool = False) -> str:
-    """``input[0].data_url`` from pydantic's location, without its union-member tags
-    (a step that is not a key or index of the body, except a missing field's name)."""
-    path = ""
-    node = data
-    for i, step in enumerate(loc):
-        if isinstance(step, int) and isinstance(node, list) and 0 <= step < len(node):
-            node = node[step]
-            path += f"[{step}]"
-        elif (
-            isinstance(step, str)
-            and isinstance(node, dict)
-            and (step in node or (missing and i == len(loc) - 1))
-        ):
-            node = node.get(step)
-            path += f".{step}" if path else step
-    return path
