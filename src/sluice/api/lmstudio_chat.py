@@ -96,8 +96,7 @@ class _Prepared:
     instance_id: str  # the model's key (sluice has one instance per model)
     options: LoadOptions | None
     tools: ToolSet | None
-    parent: Message | None  # the response continued from
-    conversation_id: str | None
+    parent: Message | None  # the response continued from (its conversation gets the new turn)
     owner: str
 
 
@@ -115,13 +114,13 @@ async def _previous(
     return message, await state.store.path(message.id)
 
 
-async def _capability(state: ServerState, name: str) -> tuple[bool, dict[str, Any] | None]:
-    """(local?, reasoning capability) of the model ``name``; ModelNotFound if none serves it,
-    MissingChatTemplate if it is a local model that cannot chat."""
+async def _capability(state: ServerState, name: str) -> tuple[str, bool, dict[str, Any] | None]:
+    """(instance id, local?, reasoning capability) of the model ``name``; ModelNotFound if
+    none serves it, MissingChatTemplate if it is a local model that cannot chat."""
     spec = state.registry.find(name)
     if spec is None:
         if state.dispatcher.upstream(name) is not None:
-            return False, None
+            return name, False, None
         raise ModelNotFound(name)
     loaded = state.registry.get_loaded(spec.name)
     if isinstance(loaded, LocalModel):  # the template in effect, without reading the file
@@ -134,13 +133,13 @@ async def _capability(state: ServerState, name: str) -> tuple[bool, dict[str, An
             f"The model '{spec.name}' has no chat template, so it cannot chat; give it one "
             "(chat_template in its [[models]] entry, or --chat-template)."
         )
-    return True, reasoning_capability(template)
+    return spec.name, True, reasoning_capability(template)
 
 
 async def _prepare(request: Request, state: ServerState, raw: bytes) -> _Prepared:
     body = await state.offload.run(lambda: parse(parse_json_body(raw, state.limits), ChatRequest))
     owner = key_name(request)
-    local, capability = await _capability(state, body.model)
+    instance_id, local, capability = await _capability(state, body.model)
     history: list[dict[str, Any]] = []
     parent: Message | None = None
     if body.previous_response_id is not None:
@@ -166,15 +165,13 @@ async def _prepare(request: Request, state: ServerState, raw: bytes) -> _Prepare
         if tools is not None:
             await tools.aclose()
         raise
-    spec = state.registry.find(body.model)
     return _Prepared(
         body,
         neutral,
-        spec.name if spec is not None else body.model,
+        instance_id,
         LoadOptions(ctx=body.context_length) if body.context_length else None,
         tools,
         parent,
-        parent.conversation_id if parent is not None else None,
         owner,
     )
 
@@ -372,8 +369,9 @@ class _Run:
         if p.parent is not None:
             new[0] = replace(new[0], parent_id=p.parent.id)
         try:
-            conversation_id = p.conversation_id
-            if conversation_id is None:
+            if p.parent is not None:
+                conversation_id = p.parent.conversation_id
+            else:
                 conversation = await self.state.store.create_conversation(
                     owner=p.owner, user_id=None, model=p.instance_id
                 )

@@ -30,22 +30,14 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import jsonschema
 
 from sluice.errors import SluiceError, ToolRoundsExceeded, as_sluice_error
-from sluice.events import (
-    ErrorEvent,
-    Event,
-    Finish,
-    ReasoningDelta,
-    TextDelta,
-    ToolCallDelta,
-    ToolCallStart,
-    ToolResult,
-)
+from sluice.events import ErrorEvent, Event, ToolResult
+from sluice.serving.accumulate import ChoiceState, Fold, ToolCallResult
 from sluice.serving.backend import ResponseStream, StreamMeta
 from sluice.serving.mcp import ToolCallFailed, ToolSet, ToolSpec
 from sluice.serving.request import GenerationRequest
@@ -53,49 +45,17 @@ from sluice.serving.request import GenerationRequest
 log = logging.getLogger("sluice.tools")
 
 
-@dataclass(slots=True)
-class _Call:
-    id: str
-    name: str
-    arguments: str = ""
-
-
-@dataclass(slots=True)
-class _Round:
-    """What one model round said: its text, reasoning and calls (choice 0)."""
-
-    text: list[str] = field(default_factory=list)
-    reasoning: list[str] = field(default_factory=list)
-    calls: dict[int, _Call] = field(default_factory=dict)
-    finish: Finish | None = None
-
-    def take(self, event: Event) -> None:
-        if isinstance(event, TextDelta) and not event.echo:
-            self.text.append(event.text)
-        elif isinstance(event, ReasoningDelta):
-            self.reasoning.append(event.text)
-        elif isinstance(event, ToolCallStart):
-            self.calls[event.index] = _Call(event.id, event.name)
-        elif isinstance(event, ToolCallDelta) and event.index in self.calls:
-            self.calls[event.index].arguments += event.arguments
-        elif isinstance(event, Finish):
-            self.finish = event
-
-    def message(self) -> dict[str, Any]:
-        """This round as the assistant's chat message."""
-        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.text)}
-        if self.reasoning:
-            message["reasoning_content"] = "".join(self.reasoning)
-        if self.calls:
-            message["tool_calls"] = [
-                {
-                    "id": c.id,
-                    "type": "function",
-                    "function": {"name": c.name, "arguments": c.arguments},
-                }
-                for c in (self.calls[i] for i in sorted(self.calls))
-            ]
-        return message
+def assistant_message(state: ChoiceState) -> dict[str, Any]:
+    """One folded round as the assistant's chat message (what the next round reads)."""
+    message: dict[str, Any] = {"role": "assistant", "content": state.content}
+    if state.reasoning_text is not None:
+        message["reasoning_content"] = state.reasoning_text
+    if state.tool_calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in state.calls()
+        ]
+    return message
 
 
 def tool_message(call_id: str, name: str, content: str) -> dict[str, Any]:
@@ -103,7 +63,7 @@ def tool_message(call_id: str, name: str, content: str) -> dict[str, Any]:
 
 
 async def run_call(
-    tools: ToolSet, specs: dict[str, ToolSpec], index: int, call: _Call
+    tools: ToolSet, specs: dict[str, ToolSpec], index: int, call: ToolCallResult
 ) -> ToolResult:
     """Check and run one call; never raises but for cancellation."""
     spec = specs.get(call.name)
@@ -165,13 +125,13 @@ class ToolLoop:
         self._reopen = reopen
         self._max_rounds = max(1, max_rounds)
         self._added: list[dict[str, Any]] = []  # messages of finished rounds
-        self._current = _Round()
+        self._round = ChoiceState()  # the running round (choice 0: LM Studio has one)
         self._closed = False
 
     def transcript(self) -> list[dict[str, Any]]:
         """The messages this response added so far: every round's assistant message
         and its tools' outputs, the last round's message (possibly partial) last."""
-        return [*self._added, self._current.message()]
+        return [*self._added, assistant_message(self._round)]
 
     def __aiter__(self) -> AsyncIterator[Event]:
         return self._events()
@@ -179,17 +139,20 @@ class ToolLoop:
     async def _events(self) -> AsyncIterator[Event]:
         rounds = 0
         while self._stream is not None:
-            self._current = _Round()
+            # The same fold a non-streamed answer uses, for this round's choice 0.
+            fold = Fold(self.meta.prompt_owners)
+            self._round = fold.choices[0] = ChoiceState()
             async for event in self._stream:
-                self._current.take(event)
-                yield event
                 if isinstance(event, ErrorEvent):
+                    yield event
                     return
-            finish = self._current.finish
-            if finish is not None and finish.reason == "length" and self._current.calls:
+                fold.add(event)
+                yield event
+            calls = self._round.tool_calls
+            if self._round.finish_reason == "length" and calls:
                 # Cut off inside a call: not run, and said so (no dangling tool_call.start).
-                for index in sorted(self._current.calls):
-                    call = self._current.calls[index]
+                for index in sorted(calls):
+                    call = calls[index]
                     spec = self._specs.get(call.name)
                     yield ToolResult(
                         0, index, call.name, None, failure="invalid_arguments",
@@ -198,17 +161,17 @@ class ToolLoop:
                         provider=spec.provider if spec is not None else None,
                     )  # fmt: skip
                 return
-            if finish is None or finish.reason != "tool_calls" or not self._current.calls:
+            if self._round.finish_reason != "tool_calls" or not calls:
                 return
             rounds += 1
             outputs: list[dict[str, Any]] = []
-            for index in sorted(self._current.calls):
-                call = self._current.calls[index]
+            for index in sorted(calls):
+                call = calls[index]
                 result = await run_call(self._tools, self._specs, index, call)
                 yield result
                 content = result.output if result.failure is None else f"Error: {result.reason}"
                 outputs.append(tool_message(call.id, call.name, content or ""))
-            self._added += [self._current.message(), *outputs]
+            self._added += [assistant_message(self._round), *outputs]
             if rounds >= self._max_rounds:
                 yield ErrorEvent(
                     ToolRoundsExceeded(
