@@ -76,6 +76,7 @@ import json
 import math
 import os
 import random
+import shlex
 import shutil
 import signal
 import socket
@@ -179,7 +180,7 @@ class ServerTarget:
             cmd = [sys.executable, "-m", "sluice", "serve", "--threads", str(args.threads)]
             cmd += ["--parallel", str(parallel), "--ctx", str(CTX), "--batch", str(BATCH)]
             cmd += ["--store", str(args.tmp / f"store-{tag}.sqlite"), "--log-level", "warning"]
-            cmd += ["--port", str(port)]
+            cmd += ["--port", str(port), *shlex.split(args.sluice_args)]
             env = {**os.environ, "SLUICE_MODELS_DIR": str(args.tmp / "models")}
             self.srv = conversation.Proc(name, cmd, port, log, cwd=REPO, env=env)
         else:
@@ -763,6 +764,12 @@ def main() -> None:
     )
     ap.add_argument("--quiet", type=float, default=0.3, help="noise threshold, in cores")
     ap.add_argument("--quiet-timeout", type=float, default=None, help="s (default 20, quick 3)")
+    ap.add_argument(
+        "--only", choices=["throughput", "mixed"], help="run one scenario (default: both)"
+    )
+    ap.add_argument(
+        "--sluice-args", default="", help="more arguments for sluice serve (a settings A/B)"
+    )
     ap.add_argument("--out-dir", type=Path, default=HERE / "results")
     ap.add_argument("--note", default="", help="a note stored with the results")
     ap.add_argument("--report", type=Path, help="rewrite the .md and .png of a results .json")
@@ -777,6 +784,8 @@ def main() -> None:
     reproduce += f" --rounds {args.rounds}" * bool(args.rounds)
     reproduce += f" --threads {args.threads}" * (args.threads != 2)
     reproduce += f" --llama-batch {args.llama_batch}" * (args.llama_batch != BATCH)
+    reproduce += f" --only {args.only}" * bool(args.only)
+    reproduce += f" --sluice-args {shlex.quote(args.sluice_args)}" * bool(args.sluice_args)
     args.rounds = args.rounds or (1 if args.quick else 3)
     args.tokens = args.tokens or (32 if args.quick else 128)
     args.long_words = args.long_words or (1000 if args.quick else 2860)
@@ -800,14 +809,16 @@ def main() -> None:
     cmds: dict[str, list[str]] = {}
     for rnd in range(1, args.rounds + 1):
         order = TARGETS[(rnd - 1) % 3 :] + TARGETS[: (rnd - 1) % 3]
-        print(f"  round {rnd}/{args.rounds}: throughput, {' -> '.join(order)}", flush=True)
-        for t in order:
+        if args.only != "mixed":
+            print(f"  round {rnd}/{args.rounds}: throughput, {' -> '.join(order)}", flush=True)
+        for t in order if args.only != "mixed" else []:
             r = throughput_round(t, args, rnd)
             cmds[t] = r["cmd"]
             runs["throughput"][t].append(r)
         order2 = SERVERS[(rnd - 1) % 2 :] + SERVERS[: (rnd - 1) % 2]
-        print(f"  round {rnd}/{args.rounds}: mixed load, {' -> '.join(order2)}", flush=True)
-        for s in order2:
+        if args.only != "throughput":
+            print(f"  round {rnd}/{args.rounds}: mixed load, {' -> '.join(order2)}", flush=True)
+        for s in order2 if args.only != "throughput" else []:
             r = mixed_round(s, args, rnd)
             cmds[f"{s}-mixed"] = r["cmd"]
             runs["mixed"][s].append(r)

@@ -46,10 +46,11 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument(
         "--prefill-budget",
         type=float,
-        help="while other sequences are generating, a step spends at most this many times "
-        "their decode time (measured) prefilling a long prompt, so their gap between tokens "
-        "grows to about (1 + this)x meanwhile; a prompt that fits in one batch (--batch) is "
-        f"prefilled whole, at once (default: {d.prefill_budget})",
+        help="while other sequences are generating, a long prompt's prefill gets this many "
+        "times the time they use (measured), in chunks of about 0.5 s, so they keep about "
+        "1 / (1 + this) of their speed and pause at most one chunk at a time; alone, a long "
+        "prompt goes in chunks of at most ~1 s; a prompt that fits in one batch (--batch) is "
+        f"prefilled whole, at once, ahead of long ones (default: {d.prefill_budget})",
     )
     p.add_argument(
         "--api-key",
@@ -93,7 +94,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     tl.add_argument(
         "--mcp-config",
-        help="an mcp.json ({\"mcpServers\": {label: {command, args, env} | {url, headers}}}): "
+        help='an mcp.json ({"mcpServers": {label: {command, args, env} | {url, headers}}}): '
         "the servers requests name as plugin 'mcp/<label>'",
     )
     tl.add_argument(

@@ -44,10 +44,12 @@ class Settings:
     # While other sequences generate, a step prefills a long prompt for at most this many
     # times their decode time (measured), so their token gap grows to ~(1 + it)x meanwhile;
     # prompts that fit in one batch are prefilled whole. 0: the minimum (8 tokens a step).
-    prefill_budget: float = 2.0
+    prefill_budget: float = 0.5
     # server-side tools over MCP (LM Studio's /api/v1/chat "integrations"); both kinds off
     # unless enabled, as in LM Studio
-    mcp_config: str | None = None  # an mcp.json ({"mcpServers": {label: ...}}): plugin "mcp/<label>"
+    mcp_config: str | None = (
+        None  # an mcp.json ({"mcpServers": {label: ...}}): plugin "mcp/<label>"
+    )
     allow_mcp_plugins: bool = False  # the mcp.json servers (needs API keys: they run commands)
     allow_ephemeral_mcp: bool = False  # servers given in the request (streamable HTTP)
     mcp_allowed_hosts: str | None = None  # "host,host:port,...": ephemeral servers only there

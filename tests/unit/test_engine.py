@@ -3,6 +3,7 @@ chunked prefill, prefix cache, pings. Timing only through bounded polling."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -12,8 +13,6 @@ import httpx
 import pytest
 from fakes import EOS, FakeSampler, ScriptedRunner, chat_prompt
 from openai import OpenAI
-
-from sluice.engine.scheduler import PrefillPacer
 
 from .helpers import (
     CHAT,
@@ -352,35 +351,39 @@ def test_long_prefill_is_chunked_beside_a_generating_sequence() -> None:
 
 
 def test_long_prefill_beside_a_generating_sequence_is_paced_by_time() -> None:
-    """Chunks sized from measured times (PrefillPacer) while another sequence generates;
-    whole batches once it is done."""
-    runner = ScriptedRunner(n_batch=64, step_delay=0.004, token_delay=0.001)
-    runner.scripts["short"] = [b"s"] * 15 + [EOS]
+    """Beside a generating sequence, a long prompt earns a share of the time (PrefillPacer)
+    and spends it in whole chunks of at least the runner's minimum, not a sliver a step."""
+    runner = ScriptedRunner(n_batch=64, step_delay=0.004, token_delay=0.001, min_prefill_chunk=16)
+    runner.scripts["short"] = [b"s"] * 400 + [EOS]
     runner.scripts["L" * 220] = [b"long", EOS]
-    with scripted_server(runner, parallel=2) as base:
+    with scripted_server(runner, parallel=2, prefill_budget=0.5) as base:
         seen: list[str] = []
 
         def consume() -> None:
-            body = {"prompt": "short", "max_tokens": 100, "stream": True}
-            with httpx.stream("POST", base + TEXT, json=body, timeout=20) as r:
+            body = {"prompt": "short", "max_tokens": 400, "stream": True}
+            with httpx.stream("POST", base + TEXT, json=body, timeout=30) as r:
                 seen.extend(r.iter_lines())
 
         short = Background(consume)
         wait_until(lambda: len(seen) >= 3)
         body = {"prompt": "L" * 220, "max_tokens": 5}
-        assert httpx.post(base + TEXT, json=body, timeout=20).status_code == 200
+        assert httpx.post(base + TEXT, json=body, timeout=30).status_code == 200
         short.result()
     short_seq = seq_entries(runner, "s")[0][1]
-    beside, alone = [], []
-    for i, _, n in seq_entries(runner, "L"):
-        generating = any(e.seq == short_seq and len(e.tokens) == 1 for e in runner.decodes[i])
-        (beside if generating else alone).append(n)
-    assert sum(beside) + sum(alone) == 220
-    # ~5 ms decode steps and 1 ms per prompt token: 2 x 5 ms is ~10 tokens, the first
-    # chunk a guess before any prefill was measured.
-    assert len(beside) >= 5 and max(beside) <= PrefillPacer.FIRST_GUESS
-    assert sorted(beside)[len(beside) // 2] <= 20
-    assert alone and max(alone) == 64
+    chunks = seq_entries(runner, "L")
+    assert sum(n for _, _, n in chunks) == 220
+    for k, (i, _, n) in enumerate(chunks):
+        assert any(e.seq == short_seq and len(e.tokens) == 1 for e in runner.decodes[i])
+        # The first chunk is the minimum (it measures the speed); then ~0.5 s of prefill
+        # at 1 ms a token, bounded by the batch; the last one ends the prompt.
+        assert n >= 16 or k == len(chunks) - 1
+    assert chunks[0][2] == 16
+    assert [n for _, _, n in chunks[1:-1]] == [63] * (len(chunks) - 2)  # + the decode token
+    # Between two chunks of ~64 ms, decode-only steps of ~5 ms earn 0.5x their time:
+    # about 25 of them (fewer would mean the share is not kept); the 15-token tail waits
+    # for less.
+    between = [b[0] - a[0] - 1 for a, b in itertools.pairwise(chunks)]
+    assert min(between[1:-1]) >= 15, between
 
 
 # -- prefix cache --------------------------------------------------------------------------------

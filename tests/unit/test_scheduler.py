@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sluice.engine.scheduler import Planned, PrefillPacer, SlotView, plan_batch
+from sluice.engine.scheduler import Planned, PrefillPacer, SlotView, deferred, plan_batch
 from sluice.engine.types import SlotState
 
 GEN = SlotState.GENERATING
@@ -109,14 +109,24 @@ def test_a_short_prompt_goes_whole_and_first_beside_generating_slots() -> None:
     ]
     assert plan_batch(slots, 512, 64, short_prompt=512) == [
         Planned(0, 1, False),
-        Planned(2, 400, True),
+        Planned(2, 400, True, short=True),
     ]
-    # With time left after the short one, the long one gets the rest of the budget.
+    # Even with room left and budget to spend, no chunk rides along: the short prompt's
+    # first token waits on this step.
     slots[2] = SlotView(2, PRE, prompt_remaining=40, prefill_total=40, admitted_at=1)
     assert plan_batch(slots, 512, 64, short_prompt=512) == [
         Planned(0, 1, False),
-        Planned(2, 40, True),
-        Planned(1, 24, True),
+        Planned(2, 40, True, short=True),
+    ]
+    assert deferred(slots, [Planned(0, 1, False), Planned(2, 40, True, short=True)], 512)
+    # Nothing generating: the short prompt still goes alone; the long one then gets
+    # whole batches.
+    assert plan_batch(slots[1:], 512, 64, short_prompt=512) == [Planned(2, 40, True, short=True)]
+    assert plan_batch(slots[1:2], 512, 64, short_prompt=512) == [Planned(1, 512, True)]
+    # Unpaced (no budget given), the long prompt takes the rest of the batch.
+    assert plan_batch(slots[1:], 512, None, short_prompt=512) == [
+        Planned(2, 40, True, short=True),
+        Planned(1, 472, True),
     ]
 
 
@@ -129,33 +139,90 @@ def test_the_tail_of_a_long_prompt_stays_paced() -> None:
     ]
 
 
-def test_the_pacer_sizes_prefill_by_measured_time() -> None:
-    pacer = PrefillPacer(2.0, 512)
-    assert pacer.budget(4) == PrefillPacer.FIRST_GUESS  # nothing measured yet
-    pacer.observe(0.030, n_decode=1, n_prefill=60)  # decode time for 1 unknown: ignored
-    assert pacer.seconds_per_token is None
-    pacer.observe(0.020, n_decode=4, n_prefill=0)
-    pacer.observe(0.020 + 0.003 * 100, n_decode=4, n_prefill=100)
-    assert pacer.seconds_per_token == pytest.approx(0.003)
-    assert pacer.budget(4) == 13  # 2 x 20 ms / 3 ms
-    assert pacer.budget(2) == 13  # nearest count measured
-    # Prefill gets slower deeper into a prompt: the budget follows.
+def test_a_chunk_below_the_minimum_waits_unless_it_ends_the_prompt() -> None:
+    long = SlotView(1, PRE, prompt_remaining=3000, prefill_total=3300)
+    gen = SlotView(0, GEN)
+    assert plan_batch([gen, long], 512, 40, 512, min_chunk=64) == [Planned(0, 1, False)]
+    assert deferred([gen, long], [Planned(0, 1, False)], 512)
+    assert plan_batch([gen, long], 512, 100, 512, min_chunk=64) == [
+        Planned(0, 1, False),
+        Planned(1, 100, True),
+    ]
+    tail = SlotView(1, PRE, prompt_remaining=30, prefill_total=3300)
+    assert plan_batch([gen, tail], 512, 40, 512, min_chunk=64) == [
+        Planned(0, 1, False),
+        Planned(1, 30, True),
+    ]
+    # Alone, the minimum does not apply, and max_chunk bounds the chunk.
+    assert plan_batch([long], 512, 40, 512, min_chunk=64) == [Planned(1, 512, True)]
+    assert plan_batch([long], 512, 40, 512, min_chunk=64, max_chunk=200) == [Planned(1, 200, True)]
+    assert not deferred([long], [Planned(1, 200, True)], 512)
+
+
+def test_the_pacer_shares_time_by_credit_in_whole_chunks() -> None:
+    pacer = PrefillPacer(0.5, 512, min_chunk=16, chunk_seconds=0.1)
+    # Nothing measured: the first chunk is the minimum, and it measures the speed.
+    assert (pacer.budget(), pacer.chunk(), pacer.max_chunk()) == (16, 16, 512)
+    pacer.observe(0.030, n_decode=1, n_long=16)  # decode time unknown: the whole step
+    assert pacer.seconds_per_token is None and pacer.credit == pytest.approx(-0.030)
+    assert pacer.budget() == 0  # in debt: decode steps first
+    pacer.observe(0.020, n_decode=4, deferred=True)
+    pacer.observe(0.020, n_decode=4, deferred=True)
+    pacer.observe(0.020, n_decode=4, deferred=True)
+    assert pacer.credit == pytest.approx(0.0)  # 3 x 0.5 x 20 ms paid it back
+    pacer.observe(0.020 + 0.002 * 16, n_decode=4, n_long=16)
+    assert pacer.seconds_per_token == pytest.approx(0.002)
+    assert pacer.chunk() == 50  # 100 ms at 2 ms a token
+    assert pacer.max_chunk() == 100  # twice that, alone
+    assert pacer.credit == pytest.approx(-0.032)
+    # Each decode step earns 10 ms; a 50-token chunk costs 100 ms: one chunk per ~10 steps.
+    steps = 0
+    while pacer.budget() < pacer.chunk():
+        pacer.observe(0.020, n_decode=4, deferred=True)
+        steps += 1
+    assert steps == 14  # 32 ms of debt + 100 ms of chunk, 10 ms a step
+    # Credit never banks more than a whole batch, and is dropped once no prompt waits.
+    for _ in range(1000):
+        pacer.observe(0.020, n_decode=4, deferred=True)
+    assert pacer.credit == pytest.approx(0.002 * 512)
+    pacer.observe(0.020, n_decode=4)
+    assert pacer.credit == 0.0
+    # Short prompts in a step: no decode time is learnt from it, and the waiting long
+    # prompt earns its share of it.
+    pacer.observe(0.5, n_decode=4, n_short=300, deferred=True)
+    assert pacer.decode_seconds(4) == pytest.approx(0.020)
+    assert pacer.credit == pytest.approx(0.25)
+    # Alone (no decode in the step), prefill time is the whole step and costs no credit.
+    pacer.observe(0.5, n_decode=0, n_long=250)
+    assert pacer.credit == pytest.approx(0.25)
+    assert pacer.seconds_per_token == pytest.approx(0.002 + 0.25 * (0.002 - 0.002))
+
+
+def test_the_pacer_learns_slower_prefill_deeper_into_a_prompt() -> None:
+    pacer = PrefillPacer(1.0, 512, min_chunk=8, chunk_seconds=0.2)
+    pacer.observe(0.020, n_decode=2)
     for _ in range(20):
-        pacer.observe(0.020 + 0.006 * 100, n_decode=4, n_prefill=100)
-    assert pacer.budget(4) == 8  # ~40 ms / 6 ms = 6, raised to the floor of 8
-    # Alone (no decode in the step), prefill time is the whole step.
-    alone = PrefillPacer(2.0, 512)
-    alone.observe(0.5, n_decode=0, n_prefill=250)
-    assert alone.seconds_per_token == pytest.approx(0.002)
+        pacer.observe(0.020 + 0.004 * 100, n_decode=2, n_long=100)
+    assert pacer.seconds_per_token == pytest.approx(0.004)
+    assert pacer.chunk() == 50
 
 
-def test_the_pacer_stays_within_its_floor_and_the_batch() -> None:
-    pacer = PrefillPacer(1e9, 512)
-    pacer.observe(1.0, n_decode=1, n_prefill=0)
-    pacer.observe(1.001, n_decode=1, n_prefill=1)
-    assert pacer.budget(1) == 512
+def test_the_pacer_stays_within_its_bounds() -> None:
+    pacer = PrefillPacer(1e9, 512, min_chunk=64, chunk_seconds=100)
+    pacer.observe(1.0, n_decode=1)
+    pacer.observe(1.001, n_decode=1, n_long=1)
+    assert pacer.chunk() == 512 and pacer.max_chunk() == 512
+    pacer.observe(1.0, n_decode=1, deferred=True)
+    assert pacer.budget() == 512
     assert PrefillPacer(float("nan"), 512).factor == 0
-    zero = PrefillPacer(0.0, 512)
-    zero.observe(0.01, n_decode=1, n_prefill=0)
-    zero.observe(0.02, n_decode=1, n_prefill=10)
-    assert zero.budget(1) == 8
+    tiny = PrefillPacer(1.0, 512, min_chunk=64, chunk_seconds=0.0)
+    tiny.observe(0.01, n_decode=1)
+    tiny.observe(0.02, n_decode=1, n_long=10)
+    assert tiny.chunk() == 64 and tiny.max_chunk() == 64
+    # factor 0: a long prompt waits while others generate.
+    zero = PrefillPacer(0.0, 512, min_chunk=8)
+    zero.observe(0.01, n_decode=1)
+    zero.observe(0.02, n_decode=1, n_long=10)
+    for _ in range(100):
+        zero.observe(0.01, n_decode=1, deferred=True)
+    assert zero.budget() == 0

@@ -37,7 +37,7 @@ from sluice.engine.prompt_cache import (
     common_prefix,
 )
 from sluice.engine.runner import BatchEntry, DecodeError, ModelRunner, Sampler
-from sluice.engine.scheduler import Planned, PrefillPacer, SlotView, plan_batch
+from sluice.engine.scheduler import Planned, PrefillPacer, SlotView, deferred, plan_batch
 from sluice.engine.text import Ready, SequenceText, Utf8Assembler
 from sluice.engine.types import EngineRequest, EventSink, SlotState
 from sluice.errors import (
@@ -66,11 +66,13 @@ log = logging.getLogger("sluice.engine")
 class EngineConfig:
     n_parallel: int = 4
     max_queue: int = 16
-    # While other sequences are generating, a step prefills a long prompt for at
-    # most this many times their decode time (measured: see PrefillPacer), so
-    # their gap between tokens grows to about (1 + prefill_budget)x while it
-    # lasts. Prompts that fit in one batch are prefilled whole, at once.
-    prefill_budget: float = 2.0
+    # While other sequences are generating, a long prompt's prefill gets this many
+    # times the time they use (measured: see PrefillPacer), in chunks of about
+    # prefill_chunk_seconds, so they run at about 1 / (1 + prefill_budget) of
+    # their speed while it lasts. Prompts that fit in one batch are prefilled
+    # whole, at once, ahead of it.
+    prefill_budget: float = 0.5
+    prefill_chunk_seconds: float = 0.5
     # Engine steps of output a response may have delivered but not yet consumed
     # (a client that is not reading); past it, its sequences are not decoded
     # until the consumer has taken half of it.
@@ -189,7 +191,12 @@ class Engine:
         self._resume_at = self._buffer // 2
         self._paused = 0  # works in slots with paused set
         self._cache = PromptCache(config.cache_ram_bytes, config.cache_min_tokens)
-        self._pacer = PrefillPacer(config.prefill_budget, runner.n_batch)
+        self._pacer = PrefillPacer(
+            config.prefill_budget,
+            runner.n_batch,
+            runner.min_prefill_chunk,
+            config.prefill_chunk_seconds,
+        )
         self.stats = self._snapshot()
 
     # -- public API, any thread ---------------------------------------------
@@ -474,13 +481,12 @@ class Engine:
                 )
             )
         n_batch = self.runner.n_batch
-        n_decode = sum(1 for v in views if v.state is SlotState.GENERATING and not v.paused)
+        pacer = self._pacer
+        plan = plan_batch(views, n_batch, pacer.budget(), n_batch, pacer.chunk(), pacer.max_chunk())
+        waited = deferred(views, plan, n_batch)
         # Entries in sequence-id order: llama.cpp puts only increasing, consecutive
         # ids into one ubatch (see _compact).
-        plan = sorted(
-            plan_batch(views, n_batch, self._pacer.budget(n_decode), short_prompt=n_batch),
-            key=lambda p: p.seq,
-        )
+        plan.sort(key=lambda p: p.seq)
         if not plan:
             return False
         started = time.perf_counter()
@@ -501,9 +507,15 @@ class Engine:
         for sink, events in outbox.values():
             _deliver(sink, events)
         # The whole step (decode, sampling, delivery) is what generating sequences wait.
-        n_prefill = sum(p.n_tokens for p in plan if p.prefill)
-        n_decoded = sum(1 for p in plan if not p.prefill)
-        self._pacer.observe(time.perf_counter() - started, n_decoded, n_prefill)
+        n_decoded = n_long = n_short = 0
+        for p in plan:
+            if not p.prefill:
+                n_decoded += 1
+            elif p.short:
+                n_short += p.n_tokens
+            else:
+                n_long += p.n_tokens
+        pacer.observe(time.perf_counter() - started, n_decoded, n_long, n_short, waited)
         return True
 
     def _held(self, work: _Work) -> bool:

@@ -42,6 +42,10 @@ _log_callback: Any = None  # kept alive for the life of the process
 _DEFAULT_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: a random seed per sampler
 _TOKENIZE_PIECE = 8192  # characters: longer texts are tokenized in pieces (see tokenize)
 _PIECE_BUF = 256  # bytes: token_bytes's buffer (a longer piece comes out empty)
+# llama.cpp's CPU flash attention runs a sequence's chunk of this many tokens or more
+# through its tiled kernel (GGML_FA_TILE_Q in ggml-cpu/common.h), smaller ones row by row
+# at up to 2x the cost per token (measured: scheduler.PrefillPacer).
+_FA_TILE_Q = 64
 
 
 def _llama() -> Any:
@@ -253,6 +257,7 @@ class LlamaRunner:
         self.n_seq_max = int(L.llama_n_seq_max(ctx))
         self.n_batch = int(L.llama_n_batch(ctx))
         self.dense_sequences = True  # per-sequence KV streams: see Engine._compact
+        self.min_prefill_chunk = _FA_TILE_Q
         # A sequence's saved state holds, for sliding-window layers, only the cells its
         # last position still attends to: cut shorter, the window before the cut is
         # missing (measured on Gemma 3: logits off by up to 28 against a fresh prefill).

@@ -67,6 +67,9 @@ class ModelRunner(Protocol):
     trim_after_restore: bool
     control_texts: tuple[str, ...]  # texts of the control tokens (<|im_end|>, ...)
     max_piece_bytes: int  # the longest token's text, in bytes
+    # The smallest prompt chunk worth prefilling beside generating sequences: below
+    # it the cost per token rises steeply (see scheduler.PrefillPacer).
+    min_prefill_chunk: int
 
     def tokenize(
         self, text: str, *, add_special: bool, parse_special: bool = True
