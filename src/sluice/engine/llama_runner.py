@@ -233,12 +233,24 @@ def _c_bytes(data: bytearray) -> Any:
 
 
 class _Chain:
-    """A sampler chain handle (a pointer owned by llama.cpp)."""
+    """A sampler chain handle (a pointer owned by llama.cpp), or greedy without one.
 
-    __slots__ = ("ptr",)
+    Greedy sampling with nothing stateful in the chain (no grammar, no
+    penalties) is an argmax over the logits (plus any logit biases), which
+    llama.cpp's ``llama_sampler_sample`` reaches by copying the whole vocabulary
+    into a candidate array first: ~150 us a token for SmolLM2's 49,152, ~12 us
+    as a numpy argmax over llama.cpp's own logits (measured at 4 streams, 2
+    threads: 2% of every step). Same token: llama.cpp's greedy also takes the
+    first of equal maxima, and a bias is the same float32 addition.
+    """
 
-    def __init__(self, ptr: Any) -> None:
-        self.ptr = ptr
+    __slots__ = ("bias", "ptr")
+
+    def __init__(
+        self, ptr: Any, bias: tuple[npt.NDArray[np.intp], npt.NDArray[np.float32]] | None = None
+    ) -> None:
+        self.ptr = ptr  # None: greedy, done in sample()
+        self.bias = bias  # (token ids, biases) for greedy, applied in this order
 
 
 class LlamaRunner:
@@ -273,6 +285,7 @@ class LlamaRunner:
         # the stream before the copy, and a restore would be overwritten by it.
         self._unsettled: set[int] = set()
         self._batch = L.llama_batch_init(self.n_batch, 0, 1)
+        self._logits_row = ctypes.c_float * self.n_vocab
         self._piece_buf = ctypes.create_string_buffer(_PIECE_BUF)
         self._pieces: dict[int, bytes] = {}
         self._special_pieces: dict[int, bytes] = {}
@@ -482,6 +495,15 @@ class LlamaRunner:
                 raise InvalidRequest(
                     f"logit_bias token id {token} is out of range", param="logit_bias"
                 )
+        biases = list(params.logit_bias)
+        if params.ignore_eos:
+            biases += [(t, float("-inf")) for t in self._eog_tokens()]
+        penalties_on = params.uses_penalties and params.penalty_last_n != 0
+        if params.temperature <= 0 and not params.grammar and not penalties_on:
+            if not biases:
+                return _Chain(None)
+            ids = np.array([t for t, _ in biases], dtype=np.intp)
+            return _Chain(None, (ids, np.array([b for _, b in biases], dtype=np.float32)))
         chain_params = L.llama_sampler_chain_default_params()
         chain_params.no_perf = True
         chain = L.llama_sampler_chain_init(chain_params)
@@ -494,9 +516,6 @@ class LlamaRunner:
                     "(see the server log for llama.cpp's reason)."
                 )
             L.llama_sampler_chain_add(chain, grammar)
-        biases = list(params.logit_bias)
-        if params.ignore_eos:
-            biases += [(t, float("-inf")) for t in self._eog_tokens()]
         if biases:
             arr = (L.llama_logit_bias * len(biases))()
             for i, (token, bias) in enumerate(biases):
@@ -505,7 +524,7 @@ class LlamaRunner:
             L.llama_sampler_chain_add(
                 chain, L.llama_sampler_init_logit_bias(self.n_vocab, len(biases), arr)
             )
-        if params.uses_penalties and params.penalty_last_n != 0:
+        if penalties_on:
             # llama.cpp's convention: -1 is the whole context, 0 turns penalties off.
             last_n = self.n_ctx_seq if params.penalty_last_n < 0 else params.penalty_last_n
             last_n = min(last_n, self.n_ctx_seq)
@@ -630,11 +649,25 @@ class LlamaRunner:
         self._unsettled.clear()  # the decode applied the pending stream copies
 
     def sample(self, sampler: Any, row: int) -> int:
-        return int(self._L.llama_sampler_sample(sampler.ptr, self._ctx, row))
+        if sampler.ptr is not None:
+            return int(self._L.llama_sampler_sample(sampler.ptr, self._ctx, row))
+        logits = self._logits(row)
+        if sampler.bias is not None:
+            logits = logits.copy()
+            np.add.at(logits, *sampler.bias)  # in order, repeated ids included, like the chain
+        return int(logits.argmax())
+
+    def _logits(self, row: int) -> npt.NDArray[np.float32]:
+        """Batch row ``row``'s logits: a view of llama.cpp's buffer, valid until the next decode."""
+        ptr = self._L.llama_get_logits_ith(self._ctx, row)
+        address = ctypes.cast(ptr, ctypes.c_void_p).value
+        if not address:
+            raise DecodeError(f"no logits for batch row {row}")
+        row_buffer = memoryview(self._logits_row.from_address(address)).cast("B")
+        return np.frombuffer(row_buffer, dtype=np.float32)
 
     def logprobs(self, row: int, token: int, top_n: int) -> TokenLogprob:
-        ptr = self._L.llama_get_logits_ith(self._ctx, row)
-        logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+        logits = self._logits(row)
         peak = float(logits.max())
         logz = peak + float(np.log(np.exp(logits - peak, dtype=np.float64).sum()))
         top: tuple[TopLogprob, ...] = ()
