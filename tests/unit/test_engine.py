@@ -314,7 +314,8 @@ def test_one_disconnect_does_not_disturb_the_others() -> None:
 
 def test_long_prefill_is_chunked_beside_a_generating_sequence() -> None:
     runner = ScriptedRunner(n_batch=8, step_delay=0.005)
-    runner.scripts["short"] = [b"s"] * 60 + [EOS]
+    # Long enough to generate through the whole paced prefill (a third of the time).
+    runner.scripts["short"] = [b"s"] * 300 + [EOS]
     runner.scripts["L" * 200] = [b"long", EOS]
     arrivals: dict[str, list[float]] = {"short": [], "long": []}
 
@@ -326,7 +327,7 @@ def test_long_prefill_is_chunked_beside_a_generating_sequence() -> None:
                     arrivals[name].append(time.monotonic())
 
     with scripted_server(runner, parallel=2) as base:
-        short = Background(lambda: consume("short", "short", 100))
+        short = Background(lambda: consume("short", "short", 300))
         wait_until(lambda: len(arrivals["short"]) >= 2)
         long = Background(lambda: consume("long", "L" * 200, 5))
         # /health and /v1/models answer while the long prompt is being prefilled.

@@ -16,6 +16,7 @@ import struct
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
+import orjson
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -49,13 +50,22 @@ def json_response(data: Any, status: int = 200) -> Response:
 
 
 def encode(frame: Frame) -> bytes:
+    """One SSE frame. JSON through orjson: every streamed token is one of these, and the
+    stdlib's ``json.dumps`` with options builds a new encoder per call (measured: the
+    event loop's CPU per streamed token 36.9 -> 30.6 us). Non-finite floats come out as
+    ``null`` (the stdlib wrote ``-Infinity``, which is not JSON)."""
     if isinstance(frame.data, str):
-        data = frame.data
+        data = frame.data.encode()
+    elif frame.ascii:
+        data = _ascii_dumps(frame.data).encode()
     else:
-        data = _ascii_dumps(frame.data) if frame.ascii else dumps(frame.data)
+        try:
+            data = orjson.dumps(frame.data)
+        except orjson.JSONEncodeError:  # a lone surrogate (from the client's JSON): escaped
+            data = _ascii_dumps(frame.data).encode()
     if frame.event is None:
-        return f"data: {data}\n\n".encode()
-    return f"event: {frame.event}\ndata: {data}\n\n".encode()
+        return b"data: " + data + b"\n\n"
+    return b"event: " + frame.event.encode() + b"\ndata: " + data + b"\n\n"
 
 
 def _ascii_dumps(data: Any) -> str:

@@ -322,6 +322,8 @@ class Engine:
 
     def _drain(self, *, block: bool, timeout: float | None = None) -> bool:
         """Apply pending commands; False once told to stop."""
+        if not block and self._commands.empty():  # every step: no exception to raise
+            return True
         try:
             cmd = self._commands.get(block=block, timeout=timeout)
         except queue.Empty:
