@@ -31,11 +31,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from starlette.requests import ClientDisconnect, Request
 
-from sluice.errors import BodyTooLarge
+from sluice.errors import BodyTooLarge, ShuttingDown
 
 # An oversized body is read and discarded up to this many times the limit in
 # all, and at most DRAIN_EXTRA_CAP bytes past the limit...
@@ -75,6 +75,24 @@ async def read_body(request: Request, limit: int) -> bytes:
         body.clear()
         complete = await _discard_rest(chunks, received, allowance)
     raise BodyTooLarge(message, close=not complete)
+
+
+async def read_request_body(
+    request: Request, limit: int, draining: Callable[[], bool]
+) -> bytes | None:
+    """A generation request's body; None when the client left before it arrived.
+
+    Refused with :class:`ShuttingDown` while the server drains, but only after
+    the body is read: an unread body would reset the connection under the 503
+    for a client that sent "Connection: close".
+    """
+    try:
+        raw = await read_body(request, limit)
+    except ClientDisconnect:  # gone before its body arrived: nobody to answer
+        return None
+    if draining():
+        raise ShuttingDown("The server is shutting down; no new requests are admitted.")
+    return raw
 
 
 def _content_length(request: Request) -> int | None:

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response
 
-from sluice.api.body import read_body
+from sluice.api.body import read_request_body
 from sluice.api.keys import key_name
 from sluice.api.routes import validate_body, wants_sse
 from sluice.api.sse import (
@@ -32,7 +32,7 @@ from sluice.api.sse import (
     run_until_disconnect,
     sse_stream,
 )
-from sluice.errors import ConversationNotFound, InvalidRequest, ShuttingDown, SluiceError
+from sluice.errors import ConversationNotFound, InvalidRequest, SluiceError
 from sluice.protocol.body import (
     BodyLimits,
     check_body_limits,
@@ -147,12 +147,9 @@ def _chat_request(turn: _Turn, history: list[dict[str, Any]], limits: BodyLimits
 
 async def chat(request: Request) -> Response:
     state = _state(request)
-    try:
-        raw = await read_body(request, state.settings.max_body_bytes)
-    except ClientDisconnect:
+    raw = await read_request_body(request, state.settings.max_body_bytes, lambda: state.draining)
+    if raw is None:
         return Response(status_code=499)
-    if state.draining:
-        raise ShuttingDown("The server is shutting down; no new requests are admitted.")
     owner = key_name(request)
     try:
         turn = await state.offload.run(lambda: _read_turn(raw, state.limits))

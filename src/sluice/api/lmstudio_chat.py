@@ -37,10 +37,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response
 
-from sluice.api.body import read_body
+from sluice.api.body import read_request_body
 from sluice.api.conversations import history_messages
 from sluice.api.keys import key_name
 from sluice.api.lmstudio import _lms_error_response, _lmstudio, read_model_file
@@ -50,7 +50,6 @@ from sluice.errors import (
     MissingChatTemplate,
     ModelNotFound,
     ResponseNotFound,
-    ShuttingDown,
     SluiceError,
     UnsupportedParameter,
     as_sluice_error,
@@ -179,12 +178,9 @@ async def _prepare(request: Request, state: ServerState, raw: bytes) -> _Prepare
 @_lmstudio
 async def chat(request: Request) -> Response:
     state = _state(request)
-    try:
-        raw = await read_body(request, state.settings.max_body_bytes)
-    except ClientDisconnect:
+    raw = await read_request_body(request, state.settings.max_body_bytes, lambda: state.draining)
+    if raw is None:
         return Response(status_code=499)
-    if state.draining:
-        raise ShuttingDown("The server is shutting down; no new requests are admitted.")
     prepared = await _prepare(request, state, raw)
     run = _Run(state, prepared)
     if prepared.body.stream:

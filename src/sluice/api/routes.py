@@ -9,11 +9,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response
 
 from sluice.api import info
-from sluice.api.body import read_body
+from sluice.api.body import read_request_body
 from sluice.api.sse import (
     SSEResponse,
     error_frame,
@@ -23,7 +23,7 @@ from sluice.api.sse import (
     sse_stream,
 )
 from sluice.catalog import ModelSpec
-from sluice.errors import InvalidRequest, ModelNotFound, ShuttingDown, SluiceError
+from sluice.errors import InvalidRequest, ModelNotFound, SluiceError
 from sluice.protocol.body import (
     BodyLimits,
     check_body_limits,
@@ -145,14 +145,9 @@ async def _complete(
     request: Request, model: type[ChatCompletionRequest | CompletionRequest]
 ) -> Response:
     state = _state(request)
-    try:
-        raw = await read_body(request, state.settings.max_body_bytes)
-    except ClientDisconnect:  # gone before its body arrived: nobody to answer
+    raw = await read_request_body(request, state.settings.max_body_bytes, lambda: state.draining)
+    if raw is None:
         return Response(status_code=499)
-    # Refused after the body is read: an unread body would reset the connection
-    # under the 503 for a client that sent "Connection: close".
-    if state.draining:
-        raise ShuttingDown("The server is shutting down; no new requests are admitted.")
     # Parsing, templates, tokenization and grammars run on worker threads: one
     # heavy request must never stall other streams or /health.
     route = state.dispatcher.upstream
