@@ -6,13 +6,14 @@ its per-sequence token history: a restore shows up as that history put back.
 
 from __future__ import annotations
 
+import random
 import threading
 from typing import Any
 
 import httpx
 from fakes import EOS, ScriptedRunner, chat_prompt
 
-from sluice.engine.prompt_cache import PromptCache
+from sluice.engine.prompt_cache import PromptCache, common_prefix
 
 from .helpers import CHAT, health, prompt_for, scripted_server, user, wait_until
 
@@ -122,6 +123,24 @@ def test_compaction_saves_the_slot_it_overwrites() -> None:
         assert cached(chat(base, next_turn())) == len(prompt_for(LONG))
 
 
+def test_a_restore_goes_to_the_lowest_idle_sequence() -> None:
+    """Where compaction leaves it: restored elsewhere, the whole state would be copied over."""
+    long_script = [f"<{k}>".encode() for k in range(40)] + [EOS]
+    runner = ScriptedRunner({prompt_for("busy"): long_script}, step_delay=0.03)
+    busy_prompt = tokens(prompt_for("busy"))
+    with scripted_server(runner, parallel=2) as base:
+        chat(base, user(LONG))  # seq 0
+        busy = threading.Thread(target=chat, args=(base, user("busy")))
+        busy.start()  # takes seq 0 (it shares the template's start with LONG): LONG saved
+        wait_until(lambda: runner.history.get(0, [])[: len(busy_prompt)] == busy_prompt or None)
+        chat(base, user("x"))  # seq 1, the shorter cache once "busy" is done
+        busy.join(20)
+        assert runner.moves == []
+        assert cached(chat(base, next_turn())) == len(prompt_for(LONG))
+        assert [seq for seq, _ in runner.loads] == [0]
+        assert runner.moves == []
+
+
 def test_least_recently_used_entries_go_past_the_budget() -> None:
     # 3 KiB per token: the 1 MiB budget holds two ~135-token prompts, not three.
     runner = ScriptedRunner(state_bytes_per_token=3072)
@@ -191,3 +210,22 @@ def test_used_entries_are_evicted_last() -> None:
     cache.put([4], bytearray(11))  # larger than the whole budget: not kept
     assert len(cache) == 2
     assert not PromptCache(budget_bytes=0).wants(list(range(100)))
+
+
+def test_common_prefix_finds_the_first_difference_anywhere() -> None:
+    base = list(range(1000, 4000))
+    for at in [0, 1, 15, 16, 17, 31, 32, 33, 95, 96, 97, 500, 2047, 2999]:
+        other = [*base[:at], -1, *base[at + 1 :]]
+        assert common_prefix(base, other) == at
+        assert common_prefix(other, base) == at
+        assert common_prefix(base, base[:at]) == at
+    assert common_prefix(base, list(base)) == len(base)
+    assert common_prefix([], base) == 0
+    rng = random.Random(7)
+    for _ in range(500):
+        a = [rng.randrange(3) for _ in range(rng.randrange(300))]
+        b = a[: rng.randrange(len(a) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(40))]
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        assert common_prefix(a, b) == n

@@ -381,7 +381,10 @@ class Engine:
                 if gain >= self._cache.min_tokens and gain * RESTORE_RATIO >= len(entry.tokens):
                     restore = entry
                     self._cache.used(entry)  # most recent now: the save below cannot evict it
-                    slot = min(idle, key=lambda s: len(s.cache))
+                    # Into the lowest idle sequence when the runner wants them dense:
+                    # _compact would otherwise save that slot anyway and then copy the
+                    # whole restored state over it (measured: ~+15 ms for 2000 tokens).
+                    slot = idle[0] if self.runner.dense_sequences else min(idle, key=_cached_len)
                     want = n
             # 3. What the slot held beyond the kept prefix is about to go: save it first.
             if restore is not None or want < len(slot.cache):
@@ -726,6 +729,10 @@ class Engine:
             prompt_cache_bytes=self._cache.size_bytes,
             prompt_cache_hits=self._cache.hits,
         )
+
+
+def _cached_len(slot: _Slot) -> int:
+    return len(slot.cache)
 
 
 def _deliver(sink: EventSink, events: list[Event]) -> None:
