@@ -135,7 +135,10 @@ def test_active_sequences_are_compacted_onto_consecutive_ids() -> None:
         assert runner.moves, "a hole at a low id should have been filled"
         for entries in runner.decodes:
             seqs = sorted({e.seq for e in entries})
-            assert seqs == list(range(len(seqs))), seqs  # always 0..n-1
+            if any(len(e.tokens) == 1 for e in entries):  # every generating seq: 0..n-1
+                assert seqs == list(range(len(seqs))), seqs
+            else:  # a short prompt's step (generating ones wait): its own seq
+                assert len(seqs) == 1, seqs
         wait_idle(base)
 
 
@@ -385,6 +388,33 @@ def test_long_prefill_beside_a_generating_sequence_is_paced_by_time() -> None:
     # for less.
     between = [b[0] - a[0] - 1 for a, b in itertools.pairwise(chunks)]
     assert min(between[1:-1]) >= 15, between
+
+
+def test_a_short_prompt_is_prefilled_in_a_step_of_its_own() -> None:
+    """The generating sequence sits out that one step (its token would have waited for
+    the prompt's graph run anyway) and is in the next one, with the new sequence."""
+    runner = ScriptedRunner(step_delay=0.003)
+    runner.scripts["gen"] = [b"g"] * 200 + [EOS]
+    runner.scripts["question"] = [b"a", b"b", EOS]
+    seen: list[str] = []
+    with scripted_server(runner, parallel=2) as base:
+
+        def consume() -> None:
+            body = {"prompt": "gen", "max_tokens": 200, "stream": True}
+            with httpx.stream("POST", base + TEXT, json=body, timeout=30) as r:
+                seen.extend(r.iter_lines())
+
+        gen = Background(consume)
+        wait_until(lambda: len(seen) >= 3)
+        body = {"prompt": "question", "max_tokens": 3}
+        assert httpx.post(base + TEXT, json=body, timeout=30).status_code == 200
+        gen.result()
+    gen_seq = seq_entries(runner, "g")[0][1]
+    [(i, seq, n)] = seq_entries(runner, "q")
+    assert n == len("question")
+    assert [e.seq for e in runner.decodes[i]] == [seq]
+    assert sorted(e.seq for e in runner.decodes[i + 1]) == sorted([gen_seq, seq])
+    assert any(e.seq == gen_seq for e in runner.decodes[i - 1])
 
 
 # -- prefix cache --------------------------------------------------------------------------------

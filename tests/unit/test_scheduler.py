@@ -130,6 +130,31 @@ def test_a_short_prompt_goes_whole_and_first_beside_generating_slots() -> None:
     ]
 
 
+def test_generating_slots_may_sit_out_a_short_prompts_step() -> None:
+    """Their token would come after the prompt's graph run anyway; its first token comes
+    sooner. Only when the engine allows it (they ran in the step before)."""
+    slots = [
+        SlotView(0, GEN),
+        SlotView(1, GEN, paused=True),
+        SlotView(2, PRE, prompt_remaining=300, prefill_total=300),
+        SlotView(3, GEN),
+    ]
+    assert plan_batch(slots, 512, 64, 512, decode_may_wait=True) == [
+        Planned(2, 300, True, short=True)
+    ]
+    assert plan_batch(slots, 512, 64, 512, decode_may_wait=False) == [
+        Planned(0, 1, False),
+        Planned(3, 1, False),
+        Planned(2, 300, True, short=True),
+    ]
+    # No short prompt: every generating slot runs, whatever the flag.
+    long = SlotView(2, PRE, prompt_remaining=3000, prefill_total=3000)
+    assert plan_batch([slots[0], long], 512, 64, 512, 64, decode_may_wait=True) == [
+        Planned(0, 1, False),
+        Planned(2, 64, True),
+    ]
+
+
 def test_the_tail_of_a_long_prompt_stays_paced() -> None:
     """What counts is the prompt's size at admission, not what is left of it."""
     tail = SlotView(1, PRE, prompt_remaining=300, prefill_total=3300)

@@ -197,6 +197,9 @@ class Engine:
             runner.min_prefill_chunk,
             config.prefill_chunk_seconds,
         )
+        # The last step prefilled short prompts without the generating sequences:
+        # this one must take them (see plan_batch's decode_may_wait).
+        self._decode_sat_out = False
         self.stats = self._snapshot()
 
     # -- public API, any thread ---------------------------------------------
@@ -487,8 +490,17 @@ class Engine:
             )
         n_batch = self.runner.n_batch
         pacer = self._pacer
-        plan = plan_batch(views, n_batch, pacer.budget(), n_batch, pacer.chunk(), pacer.max_chunk())
+        plan = plan_batch(
+            views,
+            n_batch,
+            pacer.budget(),
+            n_batch,
+            pacer.chunk(),
+            pacer.max_chunk(),
+            decode_may_wait=not self._decode_sat_out,
+        )
         waited = deferred(views, plan, n_batch)
+        self._decode_sat_out = any(p.short for p in plan) and not any(not p.prefill for p in plan)
         # Entries in sequence-id order: llama.cpp puts only increasing, consecutive
         # ids into one ubatch (see _compact).
         plan.sort(key=lambda p: p.seq)

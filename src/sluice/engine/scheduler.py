@@ -1,9 +1,10 @@
 """Choosing the next batch: a pure function over slot state, and the pacer that sizes it.
 
 Every generating sequence gets its next token in every step (decode is what
-users see). A prompt that fits in one batch ("short": a chat turn, a question)
-is prefilled whole in one step, ahead of the rest, so its time to first token
-is what it would be alone. A longer prompt is prefilled in chunks, whole
+users see), except that a step which prefills a short prompt may leave them
+out for one step (see :func:`plan_batch`). A prompt that fits in one batch
+("short": a chat turn, a question) is prefilled whole in one step, ahead of the
+rest, so its time to first token is what it would be alone. A longer prompt is prefilled in chunks, whole
 batches when nothing else is running. While other sequences are generating or
 short prompts are being prefilled, its chunks are paced by time (the
 :class:`PrefillPacer`): it earns a share of the machine (``factor`` times the
@@ -54,8 +55,17 @@ def plan_batch(
     short_prompt: int = 0,
     min_chunk: int = 1,
     max_chunk: int | None = None,
+    decode_may_wait: bool = False,
 ) -> list[Planned]:
     """Decode tokens first, then short prompts whole, then chunks of long ones, within ``n_batch``.
+
+    ``decode_may_wait``: a step that prefills short prompts leaves the generating
+    sequences out (the engine allows it when they were in the step before, so they
+    wait at most one such step). They lose nothing: llama.cpp runs each ubatch with
+    the same number of tokens per sequence when sequences have their own KV
+    streams, so one token each and a 250-token prompt were two graph runs anyway,
+    and their token would have come at the end of both. The short prompt's first
+    token comes one decode earlier, as if it were alone.
 
     ``prefill_budget``: prompt tokens of long prompts a step may prefill while
     others wait on it (a slot that is not paused is generating, or a short
@@ -71,10 +81,6 @@ def plan_batch(
     """
     plan: list[Planned] = []
     budget = n_batch
-    for slot in slots:
-        if slot.state is SlotState.GENERATING and not slot.paused and budget > 0:
-            plan.append(Planned(slot.seq, 1, False))
-            budget -= 1
     prefilling = sorted(
         (
             s
@@ -84,6 +90,11 @@ def plan_batch(
         key=lambda s: (not is_short(s, short_prompt), s.prompt_remaining, s.admitted_at),
     )
     shorts = [s for s in prefilling if is_short(s, short_prompt)]
+    if not (shorts and decode_may_wait):
+        for slot in slots:
+            if slot.state is SlotState.GENERATING and not slot.paused and budget > 0:
+                plan.append(Planned(slot.seq, 1, False))
+                budget -= 1
     for slot in shorts:
         n = min(slot.prompt_remaining, budget)
         if n > 0:
