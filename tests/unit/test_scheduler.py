@@ -173,6 +173,9 @@ def test_a_chunk_below_the_minimum_waits_unless_it_ends_the_prompt() -> None:
         Planned(0, 1, False),
         Planned(1, 100, True),
     ]
+    # In whole tiles (llama.cpp pads a partial tile of query rows to a whole one).
+    assert plan_batch([gen, long], 512, 100, 512, 64, tile=64)[1] == Planned(1, 64, True)
+    assert plan_batch([gen, long], 512, 200, 512, 64, tile=64)[1] == Planned(1, 192, True)
     tail = SlotView(1, PRE, prompt_remaining=30, prefill_total=3300)
     assert plan_batch([gen, tail], 512, 40, 512, min_chunk=64) == [
         Planned(0, 1, False),
@@ -182,6 +185,10 @@ def test_a_chunk_below_the_minimum_waits_unless_it_ends_the_prompt() -> None:
     assert plan_batch([long], 512, 40, 512, min_chunk=64) == [Planned(1, 512, True)]
     assert plan_batch([long], 512, 40, 512, min_chunk=64, max_chunk=200) == [Planned(1, 200, True)]
     assert not deferred([long], [Planned(1, 200, True)], 512)
+    assert plan_batch([long], 512, 40, 512, 64, 200, tile=64) == [Planned(1, 192, True)]
+    # The end of a prompt goes whole, whatever its size.
+    end = SlotView(1, PRE, prompt_remaining=130, prefill_total=3300)
+    assert plan_batch([end], 512, 40, 512, 64, 200, tile=64) == [Planned(1, 130, True)]
 
 
 def test_the_pacer_shares_time_by_credit_in_whole_chunks() -> None:
@@ -197,15 +204,15 @@ def test_the_pacer_shares_time_by_credit_in_whole_chunks() -> None:
     assert pacer.credit == pytest.approx(0.0)  # 3 x 0.5 x 20 ms paid it back
     pacer.observe(0.020 + 0.002 * 16, n_decode=4, n_long=16)
     assert pacer.seconds_per_token == pytest.approx(0.002)
-    assert pacer.chunk() == 50  # 100 ms at 2 ms a token
-    assert pacer.max_chunk() == 100  # twice that, alone
+    assert pacer.chunk() == 48  # 100 ms at 2 ms a token: 50, in whole multiples of 16
+    assert pacer.max_chunk() == 96  # twice that, alone
     assert pacer.credit == pytest.approx(-0.032)
-    # Each decode step earns 10 ms; a 50-token chunk costs 100 ms: one chunk per ~10 steps.
+    # Each decode step earns 10 ms; a 48-token chunk costs 96 ms: one chunk per ~10 steps.
     steps = 0
     while pacer.budget() < pacer.chunk():
         pacer.observe(0.020, n_decode=4, deferred=True)
         steps += 1
-    assert steps == 14  # 32 ms of debt + 100 ms of chunk, 10 ms a step
+    assert steps == 13  # 32 ms of debt + 96 ms of chunk, 10 ms a step
     # Credit never banks more than a whole batch, and is dropped once no prompt waits.
     for _ in range(1000):
         pacer.observe(0.020, n_decode=4, deferred=True)
@@ -229,7 +236,7 @@ def test_the_pacer_learns_slower_prefill_deeper_into_a_prompt() -> None:
     for _ in range(20):
         pacer.observe(0.020 + 0.004 * 100, n_decode=2, n_long=100)
     assert pacer.seconds_per_token == pytest.approx(0.004)
-    assert pacer.chunk() == 50
+    assert pacer.chunk() == 48  # 50, in whole multiples of 8
 
 
 def test_the_pacer_stays_within_its_bounds() -> None:

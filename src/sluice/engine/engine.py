@@ -498,6 +498,7 @@ class Engine:
             pacer.chunk(),
             pacer.max_chunk(),
             decode_may_wait=not self._decode_sat_out,
+            tile=self.runner.min_prefill_chunk,
         )
         waited = deferred(views, plan, n_batch)
         self._decode_sat_out = any(p.short for p in plan) and not any(not p.prefill for p in plan)

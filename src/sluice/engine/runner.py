@@ -68,7 +68,8 @@ class ModelRunner(Protocol):
     control_texts: tuple[str, ...]  # texts of the control tokens (<|im_end|>, ...)
     max_piece_bytes: int  # the longest token's text, in bytes
     # The smallest prompt chunk worth prefilling beside generating sequences: below
-    # it the cost per token rises steeply (see scheduler.PrefillPacer).
+    # it the cost per token rises steeply (see scheduler.PrefillPacer). A chunk that
+    # does not end its prompt is a multiple of it (a partial tile costs a whole one).
     min_prefill_chunk: int
 
     def tokenize(

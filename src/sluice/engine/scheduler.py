@@ -56,6 +56,7 @@ def plan_batch(
     min_chunk: int = 1,
     max_chunk: int | None = None,
     decode_may_wait: bool = False,
+    tile: int = 1,
 ) -> list[Planned]:
     """Decode tokens first, then short prompts whole, then chunks of long ones, within ``n_batch``.
 
@@ -71,7 +72,9 @@ def plan_batch(
     others wait on it (a slot that is not paused is generating, or a short
     prompt is in the step); None: no bound but ``n_batch``. Then a chunk
     smaller than ``min_chunk`` (unless it ends its prompt) is not worth its
-    cost: the prompt waits for a larger budget. Prompts of at most
+    cost: the prompt waits for a larger budget. A chunk that does not end its
+    prompt is cut to a multiple of ``tile`` (llama.cpp's CPU attention pads a
+    partial tile of query rows to a whole one). Prompts of at most
     ``short_prompt`` tokens to prefill go first and whole, outside that bound.
     Paused slots are left out.
 
@@ -108,6 +111,8 @@ def plan_batch(
         paced = min(budget, prefill_budget)
     for slot in prefilling[len(shorts) :]:
         n = min(slot.prompt_remaining, paced)
+        if tile < n < slot.prompt_remaining:
+            n -= n % tile
         if n <= 0 or (n < min(min_chunk, slot.prompt_remaining) and paced < budget):
             continue
         plan.append(Planned(slot.seq, n, True))
@@ -151,7 +156,7 @@ class PrefillPacer:
     sequences, and how long a prompt token of a long prompt adds (prefill gets
     slower as a prompt grows, since attention reads the whole cache).
 
-    >>> p = PrefillPacer(1.0, 512, min_chunk=8, chunk_seconds=0.04)
+    >>> p = PrefillPacer(1.0, 512, min_chunk=4, chunk_seconds=0.04)
     >>> p.observe(0.010, n_decode=4, deferred=True)        # 10 ms, a long prompt waited
     >>> p.observe(0.090, n_decode=4, n_long=40)            # 40 prompt tokens added 80 ms
     >>> p.seconds_per_token, round(p.credit, 3)            # 2 ms each; 10 ms earned, 80 spent
@@ -227,8 +232,7 @@ class PrefillPacer:
         """The size of a paced chunk: about ``chunk_seconds`` of prefill, >= ``min_chunk``."""
         if not self._per_token:
             return self.min_chunk
-        tokens = int(self.chunk_seconds / self._per_token)
-        return max(self.min_chunk, min(tokens, self.n_batch))
+        return self._whole(self.chunk_seconds / self._per_token)
 
     def max_chunk(self) -> int:
         """The largest chunk of a long prompt when nothing else runs: about twice
@@ -237,8 +241,12 @@ class PrefillPacer:
         prompt 12%)."""
         if not self._per_token:
             return self.n_batch
-        tokens = int(2 * self.chunk_seconds / self._per_token)
-        return max(self.min_chunk, min(tokens, self.n_batch))
+        return self._whole(2 * self.chunk_seconds / self._per_token)
+
+    def _whole(self, tokens: float) -> int:
+        """``tokens`` within [min_chunk, n_batch], rounded down to a multiple of min_chunk."""
+        n = max(self.min_chunk, min(int(tokens), self.n_batch))
+        return max(self.min_chunk, n - n % self.min_chunk)
 
     def budget(self) -> int:
         """Prompt tokens of long prompts the next step may prefill beside others (what the
@@ -247,4 +255,4 @@ class PrefillPacer:
             return 0
         if not self._per_token:
             return self.min_chunk  # the first chunk measures the speed
-        return min(int(self.credit / self._per_token), self.chunk())
+        return min(int(self.credit / self._per_token), self.chunk())  # rounded by plan_batch
