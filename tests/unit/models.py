@@ -10,10 +10,12 @@ from sluice.engine.llama_runner import LlamaRunner, LlamaRunnerConfig
 
 
 @contextlib.contextmanager
-def real_runner(name: str = "smollm2", n_ctx: int = 512) -> Iterator[LlamaRunner]:
-    """One sequence, one thread (other servers share the cores); closed on exit."""
+def real_runner(
+    name: str = "smollm2", n_ctx: int = 512, n_parallel: int = 1
+) -> Iterator[LlamaRunner]:
+    """One sequence (by default), one thread (other servers share the cores); closed on exit."""
     config = LlamaRunnerConfig(
-        model_path=str(resolve_model(name).path), n_parallel=1, n_ctx=n_ctx, n_threads=1
+        model_path=str(resolve_model(name).path), n_parallel=n_parallel, n_ctx=n_ctx, n_threads=1
     )
     runner = LlamaRunner.load(config)
     try:

@@ -76,3 +76,51 @@ def test_stateful_or_random_sampling_keeps_llamas_chain(runner: LlamaRunner) -> 
         sampler = runner.new_sampler(params, [1, 2, 3])
         assert sampler.ptr is not None, params
         runner.free_sampler(sampler)
+
+
+def test_a_quiet_prompt_chunk_goes_in_a_decode_of_its_own() -> None:
+    """A paced chunk (no logits wanted) beside generating sequences: llama.cpp would give it
+    one token in their ubatch and run the other 63 rows below the attention's 64-row tile.
+    In a call of its own it is whole tiles; the other rows' logits are read where that
+    second call put them."""
+    with real_runner(n_parallel=3) as runner:
+        _quiet_chunk_alone(runner)
+
+
+def _quiet_chunk_alone(runner: LlamaRunner) -> None:
+    text = "The river ran past the mill and the baker's house, then under the bridge. " * 12
+    prompt = runner.tokenize(text, add_special=True)
+    for seq in (1, 2):
+        runner.keep_prefix(seq, 0)
+        runner.decode([BatchEntry(seq, prompt[: 40 + seq], 0, True)])
+    gen = [BatchEntry(seq, [prompt[40 + seq]], 40 + seq, True) for seq in (1, 2)]
+    runner.decode(gen)  # the reference: the generating rows alone
+    alone = [runner._logits(row).copy() for row in (0, 1)]
+    for seq in (1, 2):
+        runner.keep_prefix(seq, 40 + seq)
+    runner.keep_prefix(0, 0)
+    calls: list[int] = []
+    L: Any = runner._L
+    decode = L.llama_decode
+
+    def counting(ctx: Any, batch: Any) -> int:
+        calls.append(int(batch.n_tokens))
+        return int(decode(ctx, batch))
+
+    chunk = BatchEntry(0, prompt[:64], 0, False)
+    L.llama_decode = counting
+    try:
+        runner.decode([chunk, *gen])  # rows 64 and 65 of the step's batch
+    finally:
+        L.llama_decode = decode
+    assert calls == [64, 2]
+    for row, want in zip((64, 65), alone, strict=True):
+        assert (runner._logits(runner._rows[row]) == want).all()  # type: ignore[index]
+        assert runner.sample(runner.new_sampler(SamplingParams(temperature=0.0), []), row) == int(
+            want.argmax()
+        )
+    # A step without such a chunk is one call, its rows as they are.
+    runner.keep_prefix(0, 64)
+    runner.keep_prefix(1, 41)
+    runner.decode([BatchEntry(0, prompt[64:70], 64, True), gen[0]])
+    assert runner._rows is None
