@@ -81,6 +81,22 @@ def seq_entries(runner: ScriptedRunner, first_token: str) -> list[tuple[int, int
     ]
 
 
+def post_beside_a_stream(base: str, prompt: str, max_tokens: int, body: dict[str, Any]) -> None:
+    """POST ``body`` (a text completion) once a streamed completion of ``prompt`` is
+    generating; both complete."""
+    seen: list[str] = []
+
+    def consume() -> None:
+        req = {"prompt": prompt, "max_tokens": max_tokens, "stream": True}
+        with httpx.stream("POST", base + TEXT, json=req, timeout=30) as r:
+            seen.extend(r.iter_lines())
+
+    stream = Background(consume)
+    wait_until(lambda: len(seen) >= 3)
+    assert httpx.post(base + TEXT, json=body, timeout=30).status_code == 200
+    stream.result()
+
+
 # -- batching ----------------------------------------------------------------------------
 
 
@@ -361,18 +377,7 @@ def test_long_prefill_beside_a_generating_sequence_is_paced_by_time() -> None:
     runner.scripts["short"] = [b"s"] * 400 + [EOS]
     runner.scripts["L" * 220] = [b"long", EOS]
     with scripted_server(runner, parallel=2, prefill_budget=0.5) as base:
-        seen: list[str] = []
-
-        def consume() -> None:
-            body = {"prompt": "short", "max_tokens": 400, "stream": True}
-            with httpx.stream("POST", base + TEXT, json=body, timeout=30) as r:
-                seen.extend(r.iter_lines())
-
-        short = Background(consume)
-        wait_until(lambda: len(seen) >= 3)
-        body = {"prompt": "L" * 220, "max_tokens": 5}
-        assert httpx.post(base + TEXT, json=body, timeout=30).status_code == 200
-        short.result()
+        post_beside_a_stream(base, "short", 400, {"prompt": "L" * 220, "max_tokens": 5})
     short_seq = seq_entries(runner, "s")[0][1]
     chunks = seq_entries(runner, "L")
     assert sum(n for _, _, n in chunks) == 220
@@ -397,19 +402,8 @@ def test_a_short_prompt_is_prefilled_in_a_step_of_its_own() -> None:
     runner = ScriptedRunner(step_delay=0.003)
     runner.scripts["gen"] = [b"g"] * 200 + [EOS]
     runner.scripts["question"] = [b"a", b"b", EOS]
-    seen: list[str] = []
     with scripted_server(runner, parallel=2) as base:
-
-        def consume() -> None:
-            body = {"prompt": "gen", "max_tokens": 200, "stream": True}
-            with httpx.stream("POST", base + TEXT, json=body, timeout=30) as r:
-                seen.extend(r.iter_lines())
-
-        gen = Background(consume)
-        wait_until(lambda: len(seen) >= 3)
-        body = {"prompt": "question", "max_tokens": 3}
-        assert httpx.post(base + TEXT, json=body, timeout=30).status_code == 200
-        gen.result()
+        post_beside_a_stream(base, "gen", 200, {"prompt": "question", "max_tokens": 3})
     gen_seq = seq_entries(runner, "g")[0][1]
     [(i, seq, n)] = seq_entries(runner, "q")
     assert n == len("question")
