@@ -18,8 +18,10 @@ Two servers on the same model (SmolLM2-135M), one at a time, each started fresh 
 A round on one server:
 
 1. **Conversation under load**: 3 background clients keep the other 3 slots generating
-   (streams of distinct short prompts, ``ignore_eos``, 192-383 tokens, each restarted as it
-   ends); one conversation of 10 turns, each user message ~150 words (distinct,
+   (streams of distinct short prompts, ``ignore_eos``, ``--background-tokens`` (4000)
+   tokens each, enough to outlast the conversation and its cold reference, so that no
+   background prompt is being prefilled while a turn is measured; one that ends anyway is
+   restarted, and the checks name the turns it overlapped); one conversation of 10 turns, each user message ~150 words (distinct,
    deterministic, the same bytes on both servers), temperature 0, ``ignore_eos``, 64
    tokens per answer (so that both histories have the same length). TTFT of every turn.
 2. **Cold prefill** (the load still on): the 10th turn's whole prompt (sluice: the
@@ -40,7 +42,7 @@ in the same run; the 10th turn's TTFT <= 0.25x a cold prefill of its whole promp
 Checks (printed and written with the results): a turn whose prompt has another token count
 on the two servers (one history lacks a message: e.g. a streamed ``/c1/chat`` answer not
 yet stored when the next turn, sent as soon as ``[DONE]`` arrives, reads the history),
-background streams not all generating when a turn was sent, answers of another length,
+background streams not all generating when a turn was sent (or one ended during it), answers of another length,
 other processes' CPU above ``--quiet`` during a round. The next turn follows the answer at
 once (``--think`` adds a pause).
 
@@ -291,8 +293,8 @@ class Background:
     """``n`` clients that keep ``n`` slots generating: a stream of a distinct short prompt,
     restarted as soon as it ends, until ``stop``."""
 
-    def __init__(self, port: int, n: int) -> None:
-        self.port, self.n = port, n
+    def __init__(self, port: int, n: int, tokens: int) -> None:
+        self.port, self.n, self.tokens = port, n, tokens
         self.stop_ev = threading.Event()
         self.socks: list[socket.socket | None] = [None] * n
         self.generating = [False] * n
@@ -307,11 +309,10 @@ class Background:
             with self.lock:
                 k = self.started
                 self.started += 1
-            rng = random.Random(f"bg-{k}")
             topic = bench.SYSTEM_TOPICS[k % len(bench.SYSTEM_TOPICS)]
             body = chat_body(
                 [{"role": "user", "content": f"Story {k}: tell me a long story about {topic}."}],
-                rng.randrange(192, 384),  # desynchronized restarts
+                self.tokens,
             )
             try:
                 sock, req = open_stream(self.port, "/v1/chat/completions", body)
@@ -449,12 +450,12 @@ def run_server(srv: Proc, args: argparse.Namespace) -> dict[str, Any]:
     noise.start()
 
     # 1. the conversation, every other slot generating
-    bg = Background(srv.port, args.background)
+    bg = Background(srv.port, args.background, args.background_tokens)
     bg.start()
     history: list[dict[str, str]] = []
     conv_id = None
     for i, msg in enumerate(turn_messages(args.turns, args.words)):
-        active = bg.active()
+        active, restarts = bg.active(), bg.started
         if is_sluice:
             body = chat_body([], args.tokens)
             del body["messages"]
@@ -469,7 +470,10 @@ def run_server(srv: Proc, args: argparse.Namespace) -> dict[str, Any]:
             history.append({"role": "user", "content": msg})
             res = stream(srv.port, "/v1/chat/completions", chat_body(history, args.tokens))
             history.append({"role": "assistant", "content": res.parsed()["text"]})
-        turn = usage_of(res) | {"background_active": [active, bg.active()]}
+        turn = usage_of(res) | {
+            "background_active": [active, bg.active()],
+            "background_restarts": bg.started - restarts,  # streams that ended during it
+        }
         turn["text"] = res.parsed()["text"]
         out["turns"].append(turn)
         print(
@@ -594,7 +598,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, Any]:
 def checks(runs: dict[str, list[dict]], args: argparse.Namespace) -> list[str]:
     """What makes a figure suspect: turns whose prompt differs in length between the
     servers (one history lacks something), background streams not all generating when a
-    turn was sent, others' CPU over the threshold, answers cut short."""
+    turn was sent or ending during it, others' CPU over the threshold, answers cut short."""
     out = []
     for rnd, (s, ls) in enumerate(zip(runs["sluice"], runs["llama-server"]), 1):
         for t, (a, b) in enumerate(zip(s["turns"], ls["turns"]), 1):
@@ -608,11 +612,11 @@ def checks(runs: dict[str, list[dict]], args: argparse.Namespace) -> list[str]:
             idle = [
                 t
                 for t, x in enumerate(r["turns"], 1)
-                if x["background_active"][0] < args.background
+                if x["background_active"][0] < args.background or x.get("background_restarts")
             ]
             if idle:
                 out.append(
-                    f"{name} round {r['round']}: background not all generating at turns {idle}"
+                    f"{name} round {r['round']}: background not all generating during turns {idle}"
                 )
             short = [
                 t for t, x in enumerate(r["turns"], 1) if x["completion_tokens"] != args.tokens
@@ -693,7 +697,8 @@ def write_report(res: dict[str, Any], out_dir: Path) -> None:
         f"# Conversations and the prompt cache {res['date']}\n\n"
         f"SmolLM2-135M Q4_1, one conversation of {n} turns (~{st['words']} words each, "
         f"{st['tokens']} tokens per answer, temperature 0, `ignore_eos`) while "
-        f"{st['background']} background streams keep the other slots generating; then a "
+        f"{st['background']} background streams keep the other slots generating "
+        f"({st.get('background_tokens', '192-383')} tokens each); then a "
         f"~{st['long_words']}-word prompt sent, 8 other requests, the prompt again (no "
         f"background). {st['rounds']} rounds, a fresh server each time, the order swapped "
         "every round; one server running at a time.\n\n"
@@ -739,6 +744,12 @@ def main() -> None:
     )
     ap.add_argument("--other-words", type=int, default=150, help="the 8 other prompts")
     ap.add_argument("--background", type=int, default=PARALLEL - 1, help="background streams")
+    ap.add_argument(
+        "--background-tokens",
+        type=int,
+        default=4000,
+        help="tokens per background stream (default 4000: they outlast the turns)",
+    )
     ap.add_argument("--think", type=float, default=0.0, help="seconds between turns")
     ap.add_argument("--servers", default=",".join(SERVERS))
     ap.add_argument("--quiet", type=float, default=0.3, help="noise threshold, in cores")
@@ -796,6 +807,7 @@ def main() -> None:
             "long_words": args.long_words,
             "other_words": args.other_words,
             "background": args.background,
+            "background_tokens": args.background_tokens,
             "think_s": args.think,
             "cmds": {
                 k: [str(Path(a).name) if a.startswith(str(tmp)) else a for a in v]

@@ -63,12 +63,13 @@ def serve_with_timers(argv: list[str], log_path: str) -> None:
             sum(len(e.tokens) for e in entries),
         )
 
-    def step(self: Any) -> None:
+    def step(self: Any) -> bool:
         cur.clear()
-        orig_step(self)
+        ran = orig_step(self)  # False: nothing ran, the engine waits for a command
         if "d" in cur:
             t0, t1, seqs, n_tok = cur["d"]
             rec.append((t0, t1, time.perf_counter(), seqs, n_tok))
+        return ran
 
     lr.LlamaRunner.decode = decode  # type: ignore[method-assign]
     eng_mod.Engine._step = step  # type: ignore[method-assign]

@@ -5,9 +5,13 @@
 with the flags ``./dev`` uses (``llama_server.py``; built once, cached), so the kernels
 are the ones sluice calls and every difference is the server around them. Everything
 runs on SmolLM2-135M-Instruct Q4_1 (``bench.model_path()``) with ``--threads`` (default
-2) for every process, one target at a time, in alternating rounds: the order of the
-targets rotates every round, and every server (and the raw worker) is started fresh for
-each round of each scenario, so that both servers get the same treatment.
+2) for every process, one target at a time, in rounds: every server (and the raw worker)
+is started fresh for each round of each scenario, so that both servers get the same
+treatment. In the throughput scenario the three targets of a round stay up side by side
+(idle, each blocked on its socket or stdin) and every level is measured on the three
+back to back, ``--reps`` times per round in a rotating order: on this shared machine,
+whose speed drifts by tens of percent over minutes, only measurements seconds apart
+make a fair pair.
 
 1. **Throughput** at 1, 4 and 8 concurrent streams, 8 slots each, 4096 tokens of
    context per slot:
@@ -44,8 +48,8 @@ each round of each scenario, so that both servers get the same treatment.
    TTFT / long TTFT alone (each ratio per round, then the median over rounds).
 
 Targets (issue 11), printed as met / not met: sluice >= 1.00x llama-server's aggregate
-tok/s at 1, 4 and 8 streams (the median over rounds of each round's ratio: the two
-servers run back to back in a round, so a change of the machine's speed between rounds
+tok/s at 1, 4 and 8 streams (the median over every repetition of its ratio: the two
+servers run seconds apart, so a change of the machine's speed between repetitions
 does not count); sluice's short TTFT p50 <= 0.1x llama-server's; sluice's
 gap p95 during the long prefill <= 3x its gap p95 without it; sluice's long TTFT <=
 1.15x its TTFT alone.
@@ -226,28 +230,64 @@ def measured(target: Any, args: argparse.Namespace, fn: Any) -> dict[str, Any]:
 # --- scenario 1: throughput -------------------------------------------------------------
 
 
-def throughput_round(name: str, args: argparse.Namespace, rnd: int) -> dict[str, Any]:
-    """One target, fresh: a warm-up at every level, then each level once."""
-    target = start_target(name, PARALLEL, args, f"throughput-round{rnd}")
-    out: dict[str, Any] = {"round": rnd, "cmd": target.cmd, "levels": {}}
+def rotated(xs: tuple[str, ...], k: int) -> tuple[str, ...]:
+    k %= len(xs)
+    return xs[k:] + xs[:k]
+
+
+def throughput_round(args: argparse.Namespace, rnd: int) -> dict[str, list[dict[str, Any]]]:
+    """The three targets, fresh, alive side by side (idle ones cost nothing: blocked on a
+    socket or stdin): a warm-up at every level, then ``--reps`` repetitions in which every
+    level is measured on the three targets back to back, seconds apart, in an order that
+    rotates with the round and the repetition. Each repetition is one entry per target
+    (``round`` numbers the entries, ``fresh_round``/``rep`` say where it came from), so a
+    paired ratio compares two runs a few seconds apart, not two that a whole target's
+    round (a minute) and a change of this shared machine's speed may separate."""
+    targets: dict[str, Any] = {}
+    out: dict[str, list[dict[str, Any]]] = {t: [] for t in TARGETS}
+    reps = args.reps
     try:
-        # Serials: 6 per round (3 warm-up, 3 measured), the same for every target in a
-        # round; bench.make_messages gives each serial 8 consecutive distinct tags.
+        for t in TARGETS:
+            targets[t] = start_target(t, PARALLEL, args, f"throughput-round{rnd}")
+        # Serials: (reps + 1) x len(LEVELS) per round, the same for every target in a
+        # repetition; bench.make_messages gives each serial 8 consecutive distinct tags.
+        base = (rnd - 1) * (reps + 1) * len(LEVELS)
         for li, n in enumerate(LEVELS):
-            convs = [bench.make_messages(6 * rnd + li, i) for i in range(n)]
-            target.wait_idle()
-            target.run(convs, 16)
-        for li, n in enumerate(LEVELS):
-            convs = [bench.make_messages(6 * rnd + 3 + li, i) for i in range(n)]
-            res = measured(target, args, lambda c=convs: target.run(c, args.tokens))
-            out["levels"][str(n)] = res
-            print(
-                f"    {name:12s} n={n}: agg {res['agg_tok_s']:7.1f} tok/s  decode "
-                f"{res['decode_tok_s']:7.1f} tok/s  (others used {res['foreign_cores']:.2f} cores)",
-                flush=True,
-            )
+            convs = [bench.make_messages(base + li, i) for i in range(n)]
+            for t in rotated(TARGETS, rnd - 1):
+                targets[t].wait_idle()
+                targets[t].run(convs, 16)
+        for rep in range(reps):
+            order = rotated(TARGETS, rnd - 1 + rep)
+            entries = {
+                t: {
+                    "round": (rnd - 1) * reps + rep + 1,
+                    "fresh_round": rnd,
+                    "rep": rep + 1,
+                    "cmd": targets[t].cmd,
+                    "levels": {},
+                }
+                for t in TARGETS
+            }
+            for li, n in enumerate(LEVELS):
+                serial = base + (rep + 1) * len(LEVELS) + li
+                convs = [bench.make_messages(serial, i) for i in range(n)]
+                for t in order:
+                    res = measured(
+                        targets[t], args, lambda c=convs, t=t: targets[t].run(c, args.tokens)
+                    )
+                    entries[t]["levels"][str(n)] = res
+                    print(
+                        f"    rep {rep + 1} {t:12s} n={n}: agg {res['agg_tok_s']:7.1f} tok/s  "
+                        f"decode {res['decode_tok_s']:7.1f} tok/s  (others used "
+                        f"{res['foreign_cores']:.2f} cores)",
+                        flush=True,
+                    )
+            for t in TARGETS:
+                out[t].append(entries[t])
     finally:
-        target.close()
+        for t in targets.values():
+            t.close()
     return out
 
 
@@ -397,7 +437,7 @@ def ratio(a: float, b: float) -> float:
 def summarize(runs: dict[str, Any]) -> dict[str, Any]:
     med = bench.med
     tp: dict[str, Any] = {}
-    for n in map(str, LEVELS):
+    for n in map(str, LEVELS) if all(runs["throughput"][t] for t in TARGETS) else ():
         row: dict[str, Any] = {}
         per: dict[str, list[dict[str, Any]]] = {}
         for t in TARGETS:
@@ -422,6 +462,8 @@ def summarize(runs: dict[str, Any]) -> dict[str, Any]:
             row[f"sluice_vs_raw_{kind}"] = ratio(row["sluice"][key], row["raw"][key])
         tp[n] = row
     mixed: dict[str, Any] = {}
+    if not all(runs["mixed"][s] for s in SERVERS):  # --only throughput
+        return {"throughput": tp, "mixed": mixed}
     for s in SERVERS:
         figs = [r["figures"] for r in runs["mixed"][s]]
         mixed[s] = {k: med([f[k] for f in figs]) for k in figs[0]}
@@ -458,7 +500,10 @@ def targets_met(summary: dict[str, Any]) -> dict[str, bool]:
             lambda x: x >= GOALS["throughput_vs_llama_min"],
         )
         for n in LEVELS
+        if tp
     }
+    if not mx:  # --only throughput
+        return met
     met["short TTFT p50 <= 0.1x llama-server's"] = ok(
         mx["short_ttft_p50_sluice_vs_llama"], lambda x: x <= GOALS["short_ttft_p50_vs_llama_max"]
     )
@@ -706,9 +751,15 @@ def write_report(res: dict[str, Any], out_dir: Path) -> None:
     md = (
         f"# sluice vs llama-server, {res['date']}\n\n"
         f"SmolLM2-135M-Instruct Q4_1, {st['threads']} threads for every process, "
-        f"{st['rounds']} round{'s' * (st['rounds'] > 1)} (the order of the targets rotates every round; one target "
-        "running at a time; every server and the raw worker started fresh for each round of "
-        f"each scenario), {CTX} tokens of context per slot. The same client for both servers "
+        f"{st['rounds']} round{'s' * (st['rounds'] > 1)} (every server and the raw worker "
+        "started fresh for each round of each scenario; one target running at a time; "
+        + (
+            f"throughput: the three targets alive side by side, {st['reps']} repetitions per "
+            "round, each level measured on the three back to back in an order that rotates; "
+            if st.get("reps")
+            else "the order of the targets rotates every round; "
+        )
+        + f"mixed: the two servers one after the other), {CTX} tokens of context per slot. The same client for both servers "
         "(bench.py's: one blocking socket per stream, streaming `/v1/chat/completions`, "
         "temperature 0, `ignore_eos`).\n\n"
         f"Machine: {mach['cpu_model']}, {mach['cores']} cores; {mach['platform']}; Python "
@@ -731,8 +782,14 @@ def write_report(res: dict[str, Any], out_dir: Path) -> None:
         + "\n\ntok/s, medians over rounds. agg = completion tokens / wall time (first request "
         "sent -> last stream done); dec = tokens after the first / time after the first "
         "token, summed over streams; ratios of the medians, except sluice/llama paired = the "
-        "median of each round's ratio (the two servers back to back; the target is judged on "
-        "it; per-round figures in the JSON); CPU ms/tok = the server's (or raw worker's) CPU time per generated token. "
+        + (
+            "median over the repetitions of each one's ratio (the two servers measured seconds "
+            "apart; the target is judged on it; every repetition's figures in the JSON);"
+            if st.get("reps")
+            else "median of each round's ratio (the two servers back to back; the target is "
+            "judged on it; per-round figures in the JSON);"
+        )
+        + " CPU ms/tok = the server's (or raw worker's) CPU time per generated token. "
         f"{same_line} (batched float math may flip a late greedy tie).\n\n"
         f"## Mixed load: a {summary['mixed']['sluice']['long_prompt_tokens']}-token prompt and "
         "4 short requests, 4 slots each\n\n"
@@ -765,6 +822,12 @@ def main() -> None:
         "--quick", action="store_true", help="1 round, fewer tokens, a shorter long prompt"
     )
     ap.add_argument("--rounds", type=int, default=None, help="rounds (default 3, --quick 1)")
+    ap.add_argument(
+        "--reps",
+        type=int,
+        default=None,
+        help="throughput: repetitions per round, the targets back to back (default 3, quick 1)",
+    )
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads, every process")
     ap.add_argument("--tokens", type=int, default=None, help="throughput: tokens per stream (128)")
     ap.add_argument(
@@ -799,11 +862,13 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # processes closed on the way out
     reproduce = ".venv/bin/python benchmarks/vs_llama_server.py" + " --quick" * args.quick
     reproduce += f" --rounds {args.rounds}" * bool(args.rounds)
+    reproduce += f" --reps {args.reps}" * bool(args.reps)
     reproduce += f" --threads {args.threads}" * (args.threads != 2)
     reproduce += f" --llama-batch {args.llama_batch}" * (args.llama_batch != BATCH)
     reproduce += f" --only {args.only}" * bool(args.only)
     reproduce += f" --sluice-args {shlex.quote(args.sluice_args)}" * bool(args.sluice_args)
     args.rounds = args.rounds or (1 if args.quick else 3)
+    args.reps = args.reps or (1 if args.quick else 3)
     args.tokens = args.tokens or (32 if args.quick else 128)
     args.long_words = args.long_words or (1000 if args.quick else 2860)
     args.short_tokens = args.short_tokens or (16 if args.quick else 32)
@@ -825,13 +890,11 @@ def main() -> None:
     }
     cmds: dict[str, list[str]] = {}
     for rnd in range(1, args.rounds + 1):
-        order = TARGETS[(rnd - 1) % 3 :] + TARGETS[: (rnd - 1) % 3]
         if args.only != "mixed":
-            print(f"  round {rnd}/{args.rounds}: throughput, {' -> '.join(order)}", flush=True)
-        for t in order if args.only != "mixed" else []:
-            r = throughput_round(t, args, rnd)
-            cmds[t] = r["cmd"]
-            runs["throughput"][t].append(r)
+            print(f"  round {rnd}/{args.rounds}: throughput, {args.reps} repetitions", flush=True)
+            for t, entries in throughput_round(args, rnd).items():
+                cmds[t] = entries[0]["cmd"]
+                runs["throughput"][t].extend(entries)
         order2 = SERVERS[(rnd - 1) % 2 :] + SERVERS[: (rnd - 1) % 2]
         if args.only != "throughput":
             print(f"  round {rnd}/{args.rounds}: mixed load, {' -> '.join(order2)}", flush=True)
@@ -859,6 +922,7 @@ def main() -> None:
         "load_average": {"start": load_start, "end": bench.loadavg()},
         "settings": {
             "rounds": args.rounds,
+            "reps": args.reps,
             "threads": args.threads,
             "levels": list(LEVELS),
             "parallel": PARALLEL,
@@ -884,7 +948,21 @@ def main() -> None:
     }
     res["met"] = targets_met(summary)
     res["checks"] = checks(runs, args)
-    write_report(res, args.out_dir)
+    if args.only:  # one scenario: the tables and the JSON; the report and plot need both
+        if args.only == "throughput":
+            print("\n" + throughput_table(summary, markdown=False))
+        else:
+            print("\n" + mixed_table(summary, markdown=False))
+        for name, ok in res["met"].items():
+            print(f"target {name}: {'met' if ok else 'NOT met'}")
+        for c in res["checks"]:
+            print("check:", c)
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        path = args.out_dir / f"vs-llama-server-{res['stamp']}-{args.only}.json"
+        path.write_text(json.dumps(res, indent=1))
+        print(f"wrote {path}")
+    else:
+        write_report(res, args.out_dir)
     shutil.rmtree(args.tmp, ignore_errors=True)
 
 
