@@ -124,3 +124,45 @@ def _quiet_chunk_alone(runner: LlamaRunner) -> None:
     runner.keep_prefix(1, 41)
     runner.decode([BatchEntry(0, prompt[64:70], 64, True), gen[0]])
     assert runner._rows is None
+
+
+def test_greedy_rows_of_one_step_are_sampled_together_and_match_llamas_greedy() -> None:
+    """A step with one row of logits per sequence (generating streams, the last token of
+    short prompts): the argmax of all of them is taken at once over llama.cpp's logits
+    buffer. Every row's token is the one llama.cpp's greedy chain picks for that row,
+    also when the sequence ids are not consecutive (llama.cpp then decodes them in
+    several ubatches and reorders the outputs) and for a row with a bias."""
+    with real_runner(n_ctx=1024, n_parallel=4) as runner:
+        texts = ["The capital of France is", "1, 2, 3, 4,", "Roses are red, violets", "Hello"]
+        prompts = [runner.tokenize(t, add_special=True) for t in texts]
+        for seqs in ((0, 1, 2, 3), (0, 2, 3)):
+            for s in range(4):
+                runner.keep_prefix(s, 0)
+            entries = [BatchEntry(s, prompts[s], 0, True) for s in seqs]
+            runner.decode(entries)
+            rows, n = [], 0
+            for e in entries:
+                n += len(e.tokens)
+                rows.append(n - 1)
+            greedy = runner.new_sampler(SamplingParams(temperature=0.0), [])
+            assert greedy.ptr is None
+            chain = llama_greedy_chain(runner, [])
+            mine = [runner.sample(greedy, r) for r in rows]
+            assert runner._argmax is not None and sorted(runner._argmax) == rows  # one pass
+            theirs = [runner.sample(chain, r) for r in rows]
+            one_by_one = [int(runner._logits(r).argmax()) for r in rows]
+            assert mine == theirs == one_by_one, seqs
+            biased = runner.new_sampler(
+                SamplingParams(temperature=0.0, logit_bias=((mine[-1], -100.0),)), []
+            )
+            assert runner.sample(biased, rows[-1]) != mine[-1]
+            runner.free_sampler(chain)
+            # The next decode starts over: its rows, not the cached ones.
+            nxt = [BatchEntry(s, [mine[i]], len(prompts[s]), True) for i, s in enumerate(seqs)]
+            runner.decode(nxt)
+            assert runner._argmax is None
+            chain = llama_greedy_chain(runner, [])
+            assert [runner.sample(greedy, i) for i in range(len(seqs))] == [
+                runner.sample(chain, i) for i in range(len(seqs))
+            ]
+            runner.free_sampler(chain)
