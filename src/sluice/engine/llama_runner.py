@@ -296,11 +296,6 @@ class LlamaRunner:
         self._batch = L.llama_batch_init(self.n_batch, 0, 1)
         self._logits_row = ctypes.c_float * self.n_vocab
         self._rows: dict[int, int] | None = None  # batch row -> row of the last llama_decode
-        # The last llama_decode's rows with logits, in order (their index there is the
-        # row's place in llama.cpp's logits buffer), and the argmax of every one of them,
-        # taken at the first greedy sample after the decode (see sample).
-        self._outputs: list[int] = []
-        self._argmax: dict[int, int] | None = None
         self._piece_buf = ctypes.create_string_buffer(_PIECE_BUF)
         self._pieces: dict[int, bytes] = {}
         self._special_pieces: dict[int, bytes] = {}
@@ -675,7 +670,6 @@ class LlamaRunner:
             batch.logits,
         )
         i = 0
-        outputs: list[int] = []
         for entry in entries:
             seq = entry.seq
             p = entry.pos0
@@ -686,14 +680,9 @@ class LlamaRunner:
                 pos[i] = p + j
                 n_seq_id[i] = 1
                 seq_id[i][0] = seq
-                want = want_all or (j == last and entry.logits_last)
-                logits[i] = want
-                if want:
-                    outputs.append(i)
+                logits[i] = want_all or (j == last and entry.logits_last)
                 i += 1
         batch.n_tokens = i
-        self._outputs = outputs
-        self._argmax = None
         rc = self._L.llama_decode(self._ctx, batch)
         if rc != 0:
             raise DecodeError(f"llama_decode returned {rc}")
@@ -704,38 +693,13 @@ class LlamaRunner:
             row = self._rows[row]
         if sampler.ptr is not None:
             return int(self._L.llama_sampler_sample(sampler.ptr, self._ctx, row))
-        best = self._greedy(row)
+        logits = self._logits(row)
+        best = int(logits.argmax())
         if sampler.bias is None or (sampler.lowers_only and best not in sampler.biased):
             return best
-        logits = self._logits(row).copy()
+        logits = logits.copy()
         np.add.at(logits, *sampler.bias)  # in order, repeated ids included, like the chain
         return int(logits.argmax())
-
-    def _greedy(self, row: int) -> int:
-        """The argmax of batch row ``row``'s logits.
-
-        When the decode had a few rows with logits (generating sequences: one each),
-        the first call takes the argmax of all of them in one numpy call over
-        llama.cpp's logits buffer (rows in batch order), and the others read it: one
-        ctypes call and one view per step instead of one per row (at 8 streams ~30 us
-        a row). A decode with many (a prompt's echo logprobs) goes row by row.
-        """
-        if self._argmax is None:
-            outputs = self._outputs
-            if len(outputs) > self.n_seq_max:
-                return int(self._logits(row).argmax())
-            ptr = self._L.llama_get_logits(self._ctx)
-            address = ctypes.cast(ptr, ctypes.c_void_p).value
-            if not address:
-                raise DecodeError("no logits in the last batch")
-            n = len(outputs)
-            buffer = memoryview((ctypes.c_float * (n * self.n_vocab)).from_address(address))
-            view = np.frombuffer(buffer.cast("B"), dtype=np.float32).reshape(n, self.n_vocab)
-            self._argmax = dict(zip(outputs, view.argmax(axis=1).tolist()))
-        best = self._argmax.get(row)
-        if best is None:
-            raise DecodeError(f"no logits for batch row {row}")
-        return best
 
     def _logits(self, row: int) -> npt.NDArray[np.float32]:
         """Batch row ``row``'s logits (in llama.cpp's last batch): a view of its buffer,
