@@ -83,10 +83,11 @@ def engine_profile(args: argparse.Namespace) -> None:
     step_times: list[float] = []
 
     class ProfiledEngine(Engine):
-        def _step(self) -> None:  # type: ignore[override]
+        def _step(self) -> bool:
             t = time.perf_counter()
-            super()._step()
+            ran = super()._step()  # False: nothing ran, the engine waits for a command
             step_times.append(time.perf_counter() - t)
+            return ran
 
         def _run(self) -> None:  # type: ignore[override]
             if prof is not None:
@@ -102,6 +103,12 @@ def engine_profile(args: argparse.Namespace) -> None:
             self.left = n
             self.done = threading.Event()
             self.calls = 0
+
+        def backlog(self) -> int:
+            return 0  # always read at once: never paused
+
+        def pause(self, resume_at, wake):  # type: ignore[no-untyped-def]
+            wake()
 
         def put_many(self, events):  # type: ignore[no-untyped-def]
             self.calls += 1
