@@ -455,9 +455,9 @@ def summarize(runs: dict[str, Any]) -> dict[str, Any]:
         for kind in ("agg", "decode"):
             key = f"{kind}_tok_s"
             row[f"sluice_vs_llama_{kind}"] = ratio(row["sluice"][key], row["llama-server"][key])
-            row[f"sluice_vs_llama_{kind}_paired"] = med(
-                [ratio(s[key], ls[key]) for s, ls in zip(per["sluice"], per["llama-server"])]
-            )
+            pairs = [ratio(s[key], ls[key]) for s, ls in zip(per["sluice"], per["llama-server"])]
+            row[f"sluice_vs_llama_{kind}_paired"] = med(pairs)
+            row[f"sluice_vs_llama_{kind}_pairs"] = pairs
             row[f"llama_vs_raw_{kind}"] = ratio(row["llama-server"][key], row["raw"][key])
             row[f"sluice_vs_raw_{kind}"] = ratio(row["sluice"][key], row["raw"][key])
         tp[n] = row
@@ -571,9 +571,18 @@ def fmt(x: float, spec: str = ".0f") -> str:
     return "n/a" if x is None or math.isnan(x) else format(x, spec)
 
 
+def _pairs_cell(pairs: list[float]) -> str:
+    """How many paired ratios reach 1.00, and their spread: whether a median a few
+    hundredths from 1 is a lead or this machine's noise."""
+    xs = [x for x in pairs if not math.isnan(x)]
+    if not xs:
+        return "n/a"
+    return f"{sum(x >= 1.0 for x in xs)}/{len(xs)} ({min(xs):.2f}-{max(xs):.2f})"
+
+
 def throughput_table(summary: dict[str, Any], markdown: bool) -> str:
     head = ["streams", "raw agg", "llama agg", "sluice agg", "sluice/llama"]
-    head += ["sluice/llama paired", "llama/raw"]
+    head += ["sluice/llama paired", "pairs >= 1 (range)", "llama/raw"]
     head += ["sluice/raw", "raw dec", "llama dec", "sluice dec", "sluice/llama dec"]
     head += ["CPU ms/tok raw / llama / sluice"]
     rows = []
@@ -585,6 +594,7 @@ def throughput_table(summary: dict[str, Any], markdown: bool) -> str:
                 *(fmt(x[t]["agg_tok_s"], ".1f") for t in TARGETS),
                 fmt(x["sluice_vs_llama_agg"], ".3f"),
                 fmt(x["sluice_vs_llama_agg_paired"], ".3f"),
+                _pairs_cell(x.get("sluice_vs_llama_agg_pairs") or []),
                 fmt(x["llama_vs_raw_agg"], ".3f"),
                 fmt(x["sluice_vs_raw_agg"], ".3f"),
                 *(fmt(x[t]["decode_tok_s"], ".1f") for t in TARGETS),
