@@ -21,9 +21,10 @@ A round on one server:
    (streams of distinct short prompts, ``ignore_eos``, ``--background-tokens`` (4000)
    tokens each, enough to outlast the conversation and its cold reference, so that no
    background prompt is being prefilled while a turn is measured; one that ends anyway is
-   restarted, and the checks name the turns it overlapped); one conversation of 10 turns, each user message ~150 words (distinct,
-   deterministic, the same bytes on both servers), temperature 0, ``ignore_eos``, 64
-   tokens per answer (so that both histories have the same length). TTFT of every turn.
+   restarted, and the checks name the turns it overlapped); one conversation of 10
+   turns, each user message ~150 words (distinct, deterministic, the same bytes on both
+   servers), temperature 0, ``ignore_eos``, 64 tokens per answer (so that both
+   histories have the same length). TTFT of every turn.
 2. **Cold prefill** (the load still on): the 10th turn's whole prompt (sluice: the
    history read back from its store) with one word added at the start of the first user
    message, so that no cache holds any of it beyond the chat template's system part,
@@ -42,8 +43,8 @@ in the same run; the 10th turn's TTFT <= 0.25x a cold prefill of its whole promp
 Checks (printed and written with the results): a turn whose prompt has another token count
 on the two servers (one history lacks a message: e.g. a streamed ``/c1/chat`` answer not
 yet stored when the next turn, sent as soon as ``[DONE]`` arrives, reads the history),
-background streams not all generating when a turn was sent (or one ended during it), answers of another length,
-other processes' CPU above ``--quiet`` during a round. The next turn follows the answer at
+background streams not all generating when a turn was sent (or one ended during it),
+answers of another length, other processes' CPU above ``--quiet`` during a round. The next turn follows the answer at
 once (``--think`` adds a pause).
 
 Usage: ``.venv/bin/python benchmarks/conversation.py [--quick] [--rounds N]``; writes

@@ -499,8 +499,7 @@ def targets_met(summary: dict[str, Any]) -> dict[str, bool]:
             tp[str(n)]["sluice_vs_llama_agg_paired"],
             lambda x: x >= GOALS["throughput_vs_llama_min"],
         )
-        for n in LEVELS
-        if tp
+        for n in (LEVELS if tp else ())
     }
     if not mx:  # --only throughput
         return met
@@ -905,7 +904,7 @@ def main() -> None:
             for t, entries in throughput_round(args, rnd).items():
                 cmds[t] = entries[0]["cmd"]
                 runs["throughput"][t].extend(entries)
-        order2 = SERVERS[(rnd - 1) % 2 :] + SERVERS[: (rnd - 1) % 2]
+        order2 = rotated(SERVERS, rnd - 1)
         if args.only != "throughput":
             print(f"  round {rnd}/{args.rounds}: mixed load, {' -> '.join(order2)}", flush=True)
         for s in order2 if args.only != "throughput" else []:
