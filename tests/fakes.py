@@ -69,6 +69,7 @@ class ScriptedRunner:
     n_batch: int = 64
     step_delay: float = 0.0  # seconds each decode takes
     token_delay: float = 0.0  # and seconds per token in it (prefill costs by the token)
+    tokenize_delay: float = 0.0  # seconds each tokenize takes (preparing a request)
     chat_template: str | None = CHATML
     partial_keep: bool = True  # False: behave like a cache that cannot drop a suffix
     dense_sequences: bool = True  # the engine compacts active sequences onto low ids
@@ -108,6 +109,8 @@ class ScriptedRunner:
     # -- any thread -----------------------------------------------------------
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]:
+        if self.tokenize_delay:
+            time.sleep(self.tokenize_delay)
         return [ord(c) for c in text]
 
     def token_bytes(self, token: int, special: bool = False) -> bytes:

@@ -13,6 +13,13 @@ import httpx
 import pytest
 from fakes import EOS, FakeSampler, ScriptedRunner, chat_prompt
 from openai import OpenAI
+from servers import serve_app
+
+from sluice.api.app import create_app
+from sluice.config import Settings
+from sluice.engine.engine import _GATHER_SECONDS, Engine, EngineConfig
+from sluice.engine.types import EngineRequest
+from sluice.events import Finish
 
 from .helpers import (
     CHAT,
@@ -519,3 +526,110 @@ def test_echo_logprobs_across_prefill_chunks() -> None:
         # The prompt went through in several chunks of at most n_batch tokens.
         prefill = [e for d in runner.decodes for e in d if e.tokens[0] < 0x200000]
         assert [len(e.tokens) for e in prefill[:3]] == [4, 4, 2]
+
+
+# -- a burst of requests ------------------------------------------------------------------
+
+
+class ListSink:
+    """A plain thread-safe sink: the engine's deliveries, in order."""
+
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+        self._lock = threading.Lock()
+
+    def put_many(self, events: list[Any]) -> None:
+        with self._lock:
+            self.events.extend(events)
+
+    def backlog(self) -> int:
+        return 0
+
+    def pause(self, resume_at: int, wake: Callable[[], None]) -> None:
+        raise AssertionError("never paused: the backlog is 0")
+
+    def finished(self) -> bool:
+        with self._lock:
+            return any(isinstance(e, Finish) for e in self.events)
+
+
+def burst(engine: Any, runner: ScriptedRunner, n: int, *, announce: bool) -> list[ListSink]:
+    """``n`` requests reaching submit 5 ms apart (as templating them one by one does)."""
+    arrivals = [engine.expect() for _ in range(n)] if announce else []
+    sinks = []
+    for i in range(n):
+        if i:
+            time.sleep(0.005)
+        sink = ListSink()
+        tokens = runner.tokenize(f"burst {i}", add_special=False)
+        engine.submit([EngineRequest(prompt_tokens=tokens, max_tokens=2)], sink)
+        if announce:
+            arrivals[i].done()
+        sinks.append(sink)
+    wait_until(lambda: all(s.finished() for s in sinks))
+    return sinks
+
+
+@pytest.mark.parametrize("announce", [True, False])
+def test_announced_requests_prefill_together_on_an_idle_engine(announce: bool) -> None:
+    runner = ScriptedRunner(step_delay=0.02)
+    engine = Engine(runner, EngineConfig(n_parallel=4))
+    engine.start()
+    try:
+        burst(engine, runner, 3, announce=announce)
+    finally:
+        engine.stop()
+    first = runner.seqs_per_decode()[0]
+    # Unannounced, the first request is prefilled alone and the others wait for that
+    # step (the behaviour the announcement removes).
+    assert first == (3 if announce else 1), runner.seqs_per_decode()
+
+
+def test_an_announced_request_that_never_comes_delays_the_others_only_briefly() -> None:
+    runner = ScriptedRunner()
+    engine = Engine(runner, EngineConfig(n_parallel=4))
+    engine.start()
+    try:
+        lost = engine.expect()  # its client went away before it was prepared, say
+        abandoned = engine.expect()
+        sink = ListSink()
+        started = time.monotonic()
+        engine.submit([EngineRequest(prompt_tokens=runner.tokenize("x", add_special=False))], sink)
+        abandoned.done()
+        abandoned.done()  # idempotent: the counter is not decremented twice
+        wait_until(lambda: runner.decodes)
+        waited = time.monotonic() - started
+        assert _GATHER_SECONDS * 0.8 <= waited < _GATHER_SECONDS + 0.5, waited
+        lost.done()  # the last one: nothing is announced any more
+        assert engine._arriving == 0
+    finally:
+        engine.stop()
+
+
+def test_concurrent_requests_are_announced_and_prefilled_in_one_step() -> None:
+    """Each request takes 50 ms to prepare (on two worker threads), and the client's
+    threads send them a few ms apart: the first would reach the idle engine alone, but
+    every request announces itself as it comes in."""
+    runner = ScriptedRunner(step_delay=0.01, tokenize_delay=0.05)
+    with scripted_server(runner, parallel=4, queue=4) as base:
+        jobs = [
+            Background(
+                lambda i=i: post_stream(base, CHAT, {"messages": user(f"b{i}"), "stream": True})
+            )
+            for i in range(2)
+        ]
+        for job in jobs:
+            assert job.result().status == 200
+    assert runner.seqs_per_decode()[0] == 2, runner.seqs_per_decode()
+
+
+def test_a_request_that_fails_before_submit_is_no_longer_announced() -> None:
+    runner = ScriptedRunner(n_ctx_seq=64)
+    app = create_app(Settings(model="scripted"), runner_factory=lambda s: runner)
+    with serve_app(app) as base:
+        too_long = {"messages": user("word " * 200), "stream": True}
+        assert httpx.post(base + CHAT, json=too_long, timeout=10).status_code == 400
+        ok = post_stream(base, CHAT, {"messages": user("hi"), "stream": True})
+        assert ok.status == 200
+        engine = app.state.sluice.registry.get_loaded("scripted").engine
+        assert engine._arriving == 0

@@ -158,6 +158,41 @@ _WAKE = _Wake()
 # consumer's wake-up; this bounds the wait in case a sink never wakes it.
 _PAUSED_POLL = 0.1
 
+# An idle engine handed work waits at most this long for the requests still being
+# prepared (Engine.expect), so that a burst prefills in one step (see _gather).
+_GATHER_SECONDS = 0.025
+
+
+class Arrival:
+    """A request on its way to :meth:`Engine.submit` (template, tokens, sampler).
+
+    Example::
+
+        arrival = engine.expect()          # on the event loop, as the request comes in
+        try:
+            engine.submit(requests, sink)  # on a worker thread, once it is prepared
+        finally:
+            arrival.done()                 # idempotent: call it on every way out
+    """
+
+    __slots__ = ("_engine", "_open")
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._open = True
+
+    def done(self) -> None:
+        """Submitted, failed or abandoned: the engine no longer waits for it."""
+        engine = self._engine
+        with engine._capacity_lock:
+            if not self._open:
+                return
+            self._open = False
+            engine._arriving -= 1
+            last = engine._arriving == 0
+        if last:  # ends a gather at once (otherwise a no-op command)
+            engine._commands.put(_WAKE)
+
 
 class EngineHandle:
     """What :meth:`Engine.submit` returns: pass it to :meth:`Engine.abort`."""
@@ -182,6 +217,7 @@ class Engine:
         self._admissions = itertools.count()
         self._capacity_lock = threading.Lock()
         self._in_flight = 0
+        self._arriving = 0  # Arrivals not yet done (under _capacity_lock)
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._stop_error: SluiceError = ShuttingDown("The server is shutting down.")
@@ -282,6 +318,18 @@ class Engine:
             self._fail_leftovers(self._stop_error)
         return EngineHandle(tuple(w.key for w in works))
 
+    def expect(self) -> Arrival:
+        """Announce a request that will be submitted shortly (see :class:`Arrival`).
+
+        Requests that come in together reach :meth:`submit` milliseconds apart
+        (each is templated and tokenized first), and a step started on the
+        first alone would hold the others for a whole prefill: an idle engine
+        waits, briefly, for the announced ones.
+        """
+        with self._capacity_lock:
+            self._arriving += 1
+        return Arrival(self)
+
     def abort(self, handle: EngineHandle) -> None:
         """Drop these sequences wherever they are; their slots free in one step."""
         self._commands.put(_Abort(handle.keys))
@@ -296,13 +344,16 @@ class Engine:
         try:
             ran = True
             while True:
-                busy = any(s.state is not SlotState.IDLE for s in self._slots) or self._waiting
+                active = any(s.state is not SlotState.IDLE for s in self._slots)
+                busy = active or bool(self._waiting)
                 wait = not (busy and ran)
                 if wait:  # what /health shows while the engine waits
                     self.stats = self._snapshot()
                 # 1. Commands: block only when there is nothing to compute. When every
                 #    active sequence is paused, a consumer that catches up wakes us.
                 if not self._drain(block=wait, timeout=_PAUSED_POLL if busy else None):
+                    break
+                if not active and self._waiting and not self._gather():
                     break
                 # 2. Admit queued work into idle slots (prefix-cache aware), then publish
                 #    the snapshot: one taken between a step that freed a slot and this
@@ -342,6 +393,25 @@ class Engine:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return True
+
+    def _gather(self) -> bool:
+        """An idle engine given work: wait for the requests still being prepared.
+
+        At most ``_GATHER_SECONDS``, and only while some are announced and slots
+        are left for them, so that a burst prefills in one step: on 2 cores, 4
+        chat prompts of ~45 tokens took ~350 ms in one step, against ~400 ms
+        to the last first token for the first alone and then the other three.
+        A request that comes alone never waits (nothing else is announced).
+        False once told to stop.
+        """
+        deadline = time.monotonic() + _GATHER_SECONDS
+        while self._arriving > 0 and len(self._waiting) < len(self._slots):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            if not self._drain(block=True, timeout=left):
+                return False
+        return True
 
     def _abort_keys(self, keys: set[int]) -> None:
         for work in [w for w in self._waiting if w.key in keys]:

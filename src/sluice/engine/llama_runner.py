@@ -19,6 +19,7 @@ import os
 import re
 import threading
 import time
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +55,43 @@ def _llama() -> Any:
     import llama_cpp
 
     return llama_cpp
+
+
+# The short llama.cpp calls of the engine thread, bound a second time through
+# ctypes.PyDLL so that they keep the GIL. Through llama-cpp-python's ctypes.CDLL
+# every call releases the GIL, and a thread that releases it while another one runs
+# Python gets it back only when that one blocks or after the 5 ms switch interval:
+# measured, a 3.8 MiB llama_state_seq_get_data took 0.2 ms alone and 10.4 ms beside
+# one busy Python thread (the prompt-cache save of every slot that a burst of
+# requests is admitted into, while the event loop and the workers prepare the
+# others). llama_decode, tokenization (worker threads) and the sampler chains keep
+# releasing it: they run long enough for the others to use it.
+_GIL_HELD = (
+    "llama_get_logits_ith",
+    "llama_memory_seq_cp",
+    "llama_memory_seq_pos_max",
+    "llama_memory_seq_rm",
+    "llama_state_seq_get_data",
+    "llama_state_seq_get_size",
+    "llama_state_seq_set_data",
+    "llama_token_to_piece",
+    "llama_vocab_is_eog",
+)
+# A state copy bigger than this releases the GIL after all: holding it through a
+# copy of tens of MiB would stall the event loop for milliseconds.
+_GIL_HELD_STATE_BYTES = 8 << 20
+
+
+def _gil_held(L: Any) -> Any:
+    """``_GIL_HELD``'s functions with llama-cpp-python's signatures, keeping the GIL."""
+    lib = ctypes.PyDLL(L.llama_cpp._lib._name)  # already loaded: the same handle
+    bound = types.SimpleNamespace()
+    for name in _GIL_HELD:
+        original = getattr(L, name)
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = original.argtypes, original.restype
+        setattr(bound, name, fn)
+    return bound
 
 
 def _init_backend() -> None:
@@ -268,6 +306,7 @@ class LlamaRunner:
     def __init__(self, config: LlamaRunnerConfig, model: Any, ctx: Any) -> None:
         L = _llama()
         self._L = L
+        self._Q = _gil_held(L)  # the engine thread's short calls (see _GIL_HELD)
         self.config = config
         self._model = model
         self._ctx = ctx
@@ -478,13 +517,13 @@ class LlamaRunner:
         piece = cache.get(token)
         if piece is None:
             buf = ctypes.create_string_buffer(_PIECE_BUF)
-            n = self._L.llama_token_to_piece(self._vocab, token, buf, _PIECE_BUF, 0, special)
+            n = self._Q.llama_token_to_piece(self._vocab, token, buf, _PIECE_BUF, 0, special)
             piece = buf.raw[: max(n, 0)]
             cache[token] = piece
         return piece
 
     def is_eog(self, token: int) -> bool:
-        return bool(self._L.llama_vocab_is_eog(self._vocab, token))
+        return bool(self._Q.llama_vocab_is_eog(self._vocab, token))
 
     def _eog_tokens(self) -> list[int]:
         eog = self._eog
@@ -582,7 +621,7 @@ class LlamaRunner:
     # -- engine thread only --------------------------------------------------
 
     def keep_prefix(self, seq: int, n_keep: int) -> int:
-        L = self._L
+        L = self._Q
         if n_keep > 0 and L.llama_memory_seq_rm(self._mem, seq, n_keep, -1):
             return n_keep
         # Partial removal is not possible on every cache (SWA, recurrent): start over.
@@ -590,7 +629,7 @@ class LlamaRunner:
         return 0
 
     def move_sequence(self, src: int, dst: int) -> None:
-        L = self._L
+        L = self._Q
         L.llama_memory_seq_rm(self._mem, dst, -1, -1)
         L.llama_memory_seq_cp(self._mem, src, dst, -1, -1)  # across streams: copied at next decode
         L.llama_memory_seq_rm(self._mem, src, -1, -1)
@@ -607,22 +646,23 @@ class LlamaRunner:
         """
         if seq in self._unsettled:
             return bytearray()
-        L = self._L
-        size = int(L.llama_state_seq_get_size(self._ctx, seq))
+        size = int(self._Q.llama_state_seq_get_size(self._ctx, seq))
         if size == 0:
             return bytearray()
         data = bytearray(size)
+        L = self._Q if size <= _GIL_HELD_STATE_BYTES else self._L
         n = int(L.llama_state_seq_get_data(self._ctx, _c_bytes(data), size, seq))
         if n != size:
             return bytearray()
         return data
 
     def load_seq(self, seq: int, data: bytearray) -> int:
-        L = self._L
+        L = self._Q
         if seq in self._unsettled or not data:
             L.llama_memory_seq_rm(self._mem, seq, -1, -1)
             return 0
-        if not L.llama_state_seq_set_data(self._ctx, _c_bytes(data), len(data), seq):
+        copy = L if len(data) <= _GIL_HELD_STATE_BYTES else self._L
+        if not copy.llama_state_seq_set_data(self._ctx, _c_bytes(data), len(data), seq):
             L.llama_memory_seq_rm(self._mem, seq, -1, -1)
             return 0
         return int(L.llama_memory_seq_pos_max(self._mem, seq)) + 1
@@ -704,7 +744,7 @@ class LlamaRunner:
     def _logits(self, row: int) -> npt.NDArray[np.float32]:
         """Batch row ``row``'s logits (in llama.cpp's last batch): a view of its buffer,
         valid until the next decode."""
-        ptr = self._L.llama_get_logits_ith(self._ctx, row)
+        ptr = self._Q.llama_get_logits_ith(self._ctx, row)
         address = ctypes.cast(ptr, ctypes.c_void_p).value
         if not address:
             raise DecodeError(f"no logits for batch row {row}")

@@ -181,13 +181,20 @@ class LocalModel:
     async def open(self, request: GenerationRequest) -> LocalStream:
         loop = asyncio.get_running_loop()
         service = self.service
+        arrival = self.engine.expect()  # a burst of requests prefills together
 
         def prepare() -> tuple[Generation, EventStream]:
-            with self._in_use():
-                gen = service.prepare(request)
-                return gen, service.open(gen, loop)
+            try:
+                with self._in_use():
+                    gen = service.prepare(request)
+                    return gen, service.open(gen, loop)
+            finally:
+                arrival.done()
 
-        gen, stream = await self.offload.run(prepare, on_abandon=lambda r: r[1].close())
+        try:
+            gen, stream = await self.offload.run(prepare, on_abandon=lambda r: r[1].close())
+        finally:
+            arrival.done()  # never prepared (cancelled in the queue)
         return LocalStream(gen.meta, service.events(gen, stream), stream)
 
     @contextlib.contextmanager
