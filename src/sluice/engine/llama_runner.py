@@ -528,7 +528,7 @@ class LlamaRunner:
     def _eog_tokens(self) -> list[int]:
         eog = self._eog
         if eog is None:  # two threads may both scan: the same list either way
-            is_eog = self._L.llama_vocab_is_eog
+            is_eog = self._Q.llama_vocab_is_eog  # (a GIL hand-off per call could wait 5 ms)
             eog = [t for t in range(self.n_vocab) if is_eog(self._vocab, t)]
             self._eog = eog
         return eog
