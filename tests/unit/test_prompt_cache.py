@@ -146,16 +146,31 @@ def test_least_recently_used_entries_go_past_the_budget() -> None:
     runner = ScriptedRunner(state_bytes_per_token=3072)
     prompts = [f"{name} " + name * 80 for name in "abcd"]
     with scripted_server(runner, parallel=1, cache_ram_mb=1) as base:
-        for p in prompts:  # each one's admission saves the one before it
+        for p in prompts:  # each one is saved as the engine goes idle after it
             chat(base, user(p))
+        wait_until(lambda: len(runner.saves) == 4)
         saved = [hist[: len(prompt_for(p))] for p, (_, hist) in zip(prompts, runner.saves)]
-        assert saved == [tokens(prompt_for(p)) for p in prompts[:3]]
+        assert saved == [tokens(prompt_for(p)) for p in prompts]
         # a was the least recently used when c was saved: gone.
         assert cached(chat(base, user(prompts[0]))) == SHARED
         assert runner.loads == []
-        # c is still there (d's save, at a's admission, pushed out b instead).
-        assert cached(chat(base, user(prompts[2]))) == len(prompt_for(prompts[2])) - 1
-        assert [hist[:5] for _, hist in runner.loads] == [tokens(prompt_for(prompts[2]))[:5]]
+        # d is still there (a's save, once a was answered again, pushed out c instead).
+        wait_until(lambda: len(runner.saves) == 5)
+        assert cached(chat(base, user(prompts[3]))) == len(prompt_for(prompts[3])) - 1
+        assert [hist[:5] for _, hist in runner.loads] == [tokens(prompt_for(prompts[3]))[:5]]
+        assert cached(chat(base, user(prompts[2]))) == SHARED
+
+
+def test_a_finished_slot_is_saved_while_the_engine_is_idle() -> None:
+    """Not in front of the next request's prefill: that request's admission saves nothing."""
+    runner = ScriptedRunner(state_bytes_per_token=64)
+    with scripted_server(runner, parallel=1) as base:
+        chat(base, user(LONG))
+        wait_until(lambda: len(runner.saves) == 1)  # no request is waiting for it
+        assert runner.saves[0][1][: len(prompt_for(LONG))] == tokens(prompt_for(LONG))
+        chat(base, user("something else entirely"))
+        assert cached(chat(base, next_turn())) == len(prompt_for(LONG))  # restored
+        assert len(runner.loads) == 1
 
 
 def test_nothing_saved_below_the_minimum() -> None:

@@ -130,6 +130,7 @@ class _Slot:
     state: SlotState = SlotState.IDLE
     cache: list[int] = field(default_factory=list)  # tokens whose KV is cached
     work: _Work | None = None
+    unsaved: bool = False  # idle, holding what a request left: see Engine._save_idle
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,6 +348,8 @@ class Engine:
                 active = any(s.state is not SlotState.IDLE for s in self._slots)
                 busy = active or bool(self._waiting)
                 wait = not (busy and ran)
+                if wait and self._save_idle():
+                    wait = False  # one slot saved: look for commands before the next
                 if wait:  # what /health shows while the engine waits
                     self.stats = self._snapshot()
                 # 1. Commands: block only when there is nothing to compute. When every
@@ -473,16 +476,32 @@ class Engine:
             work.t_admit = time.monotonic()
             slot.work = work
             slot.state = SlotState.PREFILLING
+            slot.unsaved = False
             self._counters["cached"] += kept
             # Prompt processing begins (LM Studio's prompt_processing.start).
             _deliver(
                 work.sink, [Progress(work.req.choice, "prompt_processing", kept, len(prompt), kept)]
             )
 
-    def _save(self, slot: _Slot) -> None:
+    def _save_idle(self) -> bool:
+        """While there is nothing to compute: one finished slot's KV into the prompt cache.
+
+        A request admitted into that slot would otherwise save it first, in front of its
+        own prefill (measured: 1.5-3 ms a slot beside the requests being prepared, so
+        6-11 ms before a burst of 4 could start). One slot per call, so that a command
+        that arrives meanwhile waits for one save at most. True if it saved one.
+        """
+        for slot in self._slots:
+            if slot.unsaved and slot.state is SlotState.IDLE:
+                slot.unsaved = False
+                if self._save(slot):
+                    return True
+        return False
+
+    def _save(self, slot: _Slot) -> bool:
         """Keep an idle slot's KV state in the prompt cache before it is overwritten."""
         if not self._cache.wants(slot.cache):
-            return
+            return False
         started = time.perf_counter()
         state = self.runner.save_seq(slot.seq)
         if state:
@@ -495,6 +514,7 @@ class Engine:
                 len(self._cache),
                 self._cache.size_bytes / 2**20,
             )
+        return True
 
     def _restore(self, slot: _Slot, entry: CacheEntry) -> int:
         """Load a prompt cache entry into a slot's sequence; how many tokens it now holds."""
@@ -539,6 +559,7 @@ class Engine:
             self.runner.move_sequence(src.seq, dst.seq)
             dst.state, dst.cache, dst.work = src.state, src.cache, src.work
             src.state, src.cache, src.work = SlotState.IDLE, [], None
+            dst.unsaved = src.unsaved = False
 
     def _step(self) -> bool:
         """One decode over the planned sequences; False if there was nothing to run."""
@@ -748,6 +769,7 @@ class Engine:
         work = slot.work
         slot.work = None
         slot.state = SlotState.IDLE
+        slot.unsaved = bool(slot.cache)
         if work is not None:
             if work.paused:  # (kept exact: a snapshot may come before the next step)
                 work.paused = False

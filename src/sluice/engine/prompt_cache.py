@@ -2,7 +2,8 @@
 
 A slot's KV cache lasts only until another request takes the slot (or the
 engine moves an active sequence over it, see ``Engine._compact``). Before
-that, the engine saves the sequence's state (``ModelRunner.save_seq``) here,
+that (as soon as the engine is idle, else when the slot is taken), the engine
+saves the sequence's state (``ModelRunner.save_seq``) here,
 keyed by the tokens it holds; a later prompt that shares a long enough prefix
 with an entry gets it restored into its slot (``ModelRunner.load_seq``) and
 prefills only the rest. This is llama-server's ``--cache-ram``.
