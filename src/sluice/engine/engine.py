@@ -499,7 +499,10 @@ class Engine:
         return False
 
     def _save(self, slot: _Slot) -> bool:
-        """Keep an idle slot's KV state in the prompt cache before it is overwritten."""
+        """Keep an idle slot's KV state in the prompt cache before it is overwritten.
+
+        False when the cache does not want it (too short, or held already).
+        """
         if not self._cache.wants(slot.cache):
             return False
         started = time.perf_counter()
