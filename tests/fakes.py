@@ -69,7 +69,8 @@ class ScriptedRunner:
     n_batch: int = 64
     step_delay: float = 0.0  # seconds each decode takes
     token_delay: float = 0.0  # and seconds per token in it (prefill costs by the token)
-    tokenize_delay: float = 0.0  # seconds each tokenize takes (preparing a request)
+    # seconds a tokenize takes (preparing a request), by a word in its text ("" for any)
+    tokenize_delays: dict[str, float] = field(default_factory=dict)
     chat_template: str | None = CHATML
     partial_keep: bool = True  # False: behave like a cache that cannot drop a suffix
     dense_sequences: bool = True  # the engine compacts active sequences onto low ids
@@ -109,8 +110,10 @@ class ScriptedRunner:
     # -- any thread -----------------------------------------------------------
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]:
-        if self.tokenize_delay:
-            time.sleep(self.tokenize_delay)
+        for word, seconds in self.tokenize_delays.items():
+            if word in text:
+                time.sleep(seconds)
+                break
         return [ord(c) for c in text]
 
     def token_bytes(self, token: int, special: bool = False) -> bytes:

@@ -554,12 +554,12 @@ class ListSink:
 
 
 def burst(engine: Any, runner: ScriptedRunner, n: int, *, announce: bool) -> list[ListSink]:
-    """``n`` requests reaching submit 5 ms apart (as templating them one by one does)."""
+    """``n`` requests reaching submit 30 ms apart (as templating them one by one does)."""
     arrivals = [engine.expect() for _ in range(n)] if announce else []
     sinks = []
     for i in range(n):
         if i:
-            time.sleep(0.005)
+            time.sleep(0.03)
         sink = ListSink()
         tokens = runner.tokenize(f"burst {i}", add_special=False)
         engine.submit([EngineRequest(prompt_tokens=tokens, max_tokens=2)], sink)
@@ -571,7 +571,10 @@ def burst(engine: Any, runner: ScriptedRunner, n: int, *, announce: bool) -> lis
 
 
 @pytest.mark.parametrize("announce", [True, False])
-def test_announced_requests_prefill_together_on_an_idle_engine(announce: bool) -> None:
+def test_announced_requests_prefill_together_on_an_idle_engine(
+    announce: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("sluice.engine.engine._GATHER_SECONDS", 5.0)  # timing-proof here
     runner = ScriptedRunner(step_delay=0.02)
     engine = Engine(runner, EngineConfig(n_parallel=4))
     engine.start()
@@ -606,17 +609,21 @@ def test_an_announced_request_that_never_comes_delays_the_others_only_briefly() 
         engine.stop()
 
 
-def test_concurrent_requests_are_announced_and_prefilled_in_one_step() -> None:
-    """Each request takes 50 ms to prepare (on two worker threads), and the client's
-    threads send them a few ms apart: the first would reach the idle engine alone, but
-    every request announces itself as it comes in."""
-    runner = ScriptedRunner(step_delay=0.01, tokenize_delay=0.05)
+def test_concurrent_requests_are_announced_and_prefilled_in_one_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two requests sent together, one 300 ms slower to prepare than the other (both
+    are slow enough that each has come in before the first is prepared): the quick one
+    would reach the idle engine alone, but every request announces itself as it comes
+    in, and the engine waits for the slow one."""
+    monkeypatch.setattr("sluice.engine.engine._GATHER_SECONDS", 5.0)  # a slow CI machine
+    runner = ScriptedRunner(step_delay=0.01, tokenize_delays={"quick": 0.1, "slow": 0.4})
     with scripted_server(runner, parallel=4, queue=4) as base:
         jobs = [
             Background(
-                lambda i=i: post_stream(base, CHAT, {"messages": user(f"b{i}"), "stream": True})
+                lambda text=text: post_stream(base, CHAT, {"messages": user(text), "stream": True})
             )
-            for i in range(2)
+            for text in ("quick", "slow")
         ]
         for job in jobs:
             assert job.result().status == 200
