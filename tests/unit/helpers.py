@@ -17,18 +17,30 @@ from servers import serve_app
 
 from sluice.api.app import create_app
 from sluice.config import Settings
+from sluice.engine.engine import Engine
 
 CHAT = "/v1/chat/completions"
 TEXT = "/v1/completions"
 
 
+def _scripted_app(runner: ScriptedRunner, settings: dict[str, Any]) -> Any:
+    settings.setdefault("model", "scripted")
+    return create_app(Settings(**settings), runner_factory=lambda s: runner)
+
+
 @contextlib.contextmanager
 def scripted_server(runner: ScriptedRunner, **settings: Any) -> Iterator[str]:
     """The real app (engine, formatters, HTTP) around ``runner``, on real HTTP."""
-    settings.setdefault("model", "scripted")
-    app = create_app(Settings(**settings), runner_factory=lambda s: runner)
-    with serve_app(app) as base:
+    with serve_app(_scripted_app(runner, settings)) as base:
         yield base
+
+
+@contextlib.contextmanager
+def served(runner: ScriptedRunner, **settings: Any) -> Iterator[tuple[str, Engine]]:
+    """:func:`scripted_server`, and its engine (for its stats and counters)."""
+    app = _scripted_app(runner, settings)
+    with serve_app(app) as base:
+        yield base, app.state.sluice.registry.get_loaded(settings["model"]).engine
 
 
 def user(content: str) -> list[dict[str, str]]:

@@ -4,21 +4,16 @@ aborted when it does not read for ``stall_timeout``. Through real HTTP and socke
 
 from __future__ import annotations
 
-import contextlib
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 from fakes import EOS, FakeSampler, ScriptedRunner
-from servers import serve_app, slow_socket
+from servers import slow_socket
 
-from sluice.api.app import create_app
-from sluice.config import Settings
-from sluice.engine.engine import Engine
 from sluice.engine.scheduler import Planned, SlotView, plan_batch
 from sluice.engine.types import SlotState
 
@@ -32,6 +27,7 @@ from .helpers import (
     parse_sse,
     post_stream,
     prompt_for,
+    served,
     text_text,
     user,
     wait_idle,
@@ -67,15 +63,6 @@ def test_plan_is_empty_when_everything_is_paused() -> None:
 
 
 # -- helpers ------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def served(runner: ScriptedRunner, **settings: Any) -> Iterator[tuple[str, Engine]]:
-    """The real app around ``runner`` on real HTTP, and its engine (for its stats)."""
-    settings.setdefault("model", "scripted")
-    app = create_app(Settings(**settings), runner_factory=lambda s: runner)
-    with serve_app(app) as base:
-        yield base, app.state.sluice.registry.get_loaded("scripted").engine
 
 
 def sampler_for(runner: ScriptedRunner, prompt: str) -> FakeSampler:

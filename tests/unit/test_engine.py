@@ -13,10 +13,7 @@ import httpx
 import pytest
 from fakes import EOS, FakeSampler, ScriptedRunner, chat_prompt
 from openai import OpenAI
-from servers import serve_app
 
-from sluice.api.app import create_app
-from sluice.config import Settings
 from sluice.engine.engine import _GATHER_SECONDS, Engine, EngineConfig
 from sluice.engine.types import EngineRequest
 from sluice.events import Finish
@@ -35,6 +32,7 @@ from .helpers import (
     raw_post,
     read_until,
     scripted_server,
+    served,
     text_text,
     user,
     wait_idle,
@@ -553,7 +551,7 @@ class ListSink:
             return any(isinstance(e, Finish) for e in self.events)
 
 
-def burst(engine: Any, runner: ScriptedRunner, n: int, *, announce: bool) -> list[ListSink]:
+def burst(engine: Any, runner: ScriptedRunner, n: int, *, announce: bool) -> None:
     """``n`` requests reaching submit 30 ms apart (as templating them one by one does)."""
     arrivals = [engine.expect() for _ in range(n)] if announce else []
     sinks = []
@@ -567,7 +565,6 @@ def burst(engine: Any, runner: ScriptedRunner, n: int, *, announce: bool) -> lis
             arrivals[i].done()
         sinks.append(sink)
     wait_until(lambda: all(s.finished() for s in sinks))
-    return sinks
 
 
 @pytest.mark.parametrize("announce", [True, False])
@@ -632,11 +629,9 @@ def test_concurrent_requests_are_announced_and_prefilled_in_one_step(
 
 def test_a_request_that_fails_before_submit_is_no_longer_announced() -> None:
     runner = ScriptedRunner(n_ctx_seq=64)
-    app = create_app(Settings(model="scripted"), runner_factory=lambda s: runner)
-    with serve_app(app) as base:
+    with served(runner) as (base, engine):
         too_long = {"messages": user("word " * 200), "stream": True}
         assert httpx.post(base + CHAT, json=too_long, timeout=10).status_code == 400
         ok = post_stream(base, CHAT, {"messages": user("hi"), "stream": True})
         assert ok.status == 200
-        engine = app.state.sluice.registry.get_loaded("scripted").engine
         assert engine._arriving == 0
