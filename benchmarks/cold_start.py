@@ -73,7 +73,7 @@ OTHER_MODEL = {
 
 def model_path(name: str) -> str:
     """The GGUF file sluice loads for a packaged model (assembled once if need be)."""
-    from sluice.catalog import resolve_model
+    from sluice.models.catalog import resolve_model
 
     return str(resolve_model(name).path)
 

@@ -41,10 +41,11 @@ import bench
 
 
 def engine_profile(args: argparse.Namespace) -> None:
+    from sluice.core.events import Finish
+    from sluice.core.request import SamplingParams
     from sluice.engine.engine import Engine, EngineConfig
     from sluice.engine.llama_runner import LlamaRunner, LlamaRunnerConfig
-    from sluice.engine.types import EngineRequest, SamplingParams
-    from sluice.events import Finish
+    from sluice.engine.types import EngineRequest
 
     runner = LlamaRunner.load(
         LlamaRunnerConfig(
@@ -123,7 +124,7 @@ def engine_profile(args: argparse.Namespace) -> None:
     raw = bench.RawWorker(
         argparse.Namespace(threads=args.threads, parallel=args.parallel, ctx=args.ctx, batch=512)
     )
-    from sluice.serving.templates import ChatTemplate
+    from sluice.local.templates import ChatTemplate
 
     info = runner.info
     template = ChatTemplate(
@@ -229,9 +230,9 @@ def engine_profile(args: argparse.Namespace) -> None:
 
 
 def frame_profile(n_frames: int) -> None:
-    from sluice.api.sse import SSEResponse, encode, sse_stream
-    from sluice.events import TextDelta
-    from sluice.serving.formatters.openai import ChatStreamFormatter, ResponseMeta
+    from sluice.core.events import TextDelta
+    from sluice.dialects.openai.format import ChatStreamFormatter, ResponseMeta
+    from sluice.server.sse import SSEResponse, encode, sse_stream
 
     meta = ResponseMeta(
         id="chatcmpl-" + "0" * 32,

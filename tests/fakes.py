@@ -27,9 +27,9 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
+from sluice.core.events import TokenLogprob, TopLogprob
+from sluice.core.request import SamplingParams
 from sluice.engine.runner import BatchEntry, DecodeError, ModelInfo
-from sluice.engine.types import SamplingParams
-from sluice.events import TokenLogprob, TopLogprob
 
 EOS = object()
 FAIL = object()

@@ -7,8 +7,8 @@ import logging
 import sys
 from dataclasses import fields
 
-from sluice.catalog import PACKAGED
 from sluice.config import Settings, default_models_dir, default_store_path
+from sluice.models.catalog import PACKAGED
 
 
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -261,7 +261,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from sluice.api.app import ServerState, create_app
+    from sluice.server.app import create_app
+    from sluice.server.state import ServerState
 
     try:
         known = {f.name for f in fields(Settings)}

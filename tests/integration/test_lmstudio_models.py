@@ -19,8 +19,8 @@ import httpx
 import pytest
 from servers import http_server, serve_process
 
-from sluice.catalog import resolve_model
-from sluice.gguf_info import read_gguf_info
+from sluice.models.catalog import resolve_model
+from sluice.models.gguf import read_gguf_info
 
 from .helpers import QUIET
 

@@ -26,13 +26,13 @@ from prometheus_client.parser import text_string_to_metric_families
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from servers import serve_process
 
-from sluice.protocol.openai import ChatCompletionRequest
-from sluice.router.config import UpstreamSpec
-from sluice.router.pool import UpstreamPool
-from sluice.serving.accumulate import Fold
-from sluice.serving.formatters.openai import ResponseMeta, chat_completion_body
-from sluice.serving.metrics import Metrics
-from sluice.serving.upstream import UpstreamSlot
+from sluice.core.fold import Fold
+from sluice.dialects.openai.format import ResponseMeta, chat_completion_body
+from sluice.dialects.openai.schema import ChatCompletionRequest
+from sluice.metrics import Metrics
+from sluice.upstream.backend import UpstreamSlot
+from sluice.upstream.config import UpstreamSpec
+from sluice.upstream.pool import UpstreamPool
 
 from .helpers import QUIET, parse_sse, wait_idle
 from .test_tools import WEATHER

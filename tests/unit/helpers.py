@@ -15,9 +15,9 @@ import httpx
 from fakes import ScriptedRunner, chat_prompt
 from servers import serve_app
 
-from sluice.api.app import create_app
 from sluice.config import Settings
 from sluice.engine.engine import Engine
+from sluice.server.app import create_app
 
 CHAT = "/v1/chat/completions"
 TEXT = "/v1/completions"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from sluice.catalog import resolve_model
 from sluice.engine.llama_runner import LlamaRunner, LlamaRunnerConfig
+from sluice.models.catalog import resolve_model
 
 
 @contextlib.contextmanager

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from sluice.protocol.openai import ChatCompletionRequest
-from sluice.serving.request import GenerationRequest
-from sluice.serving.tools import OutputPlan, ToolLimits
+from sluice.core.request import GenerationRequest
+from sluice.dialects.openai.schema import ChatCompletionRequest
+from sluice.local.plan import OutputPlan, ToolLimits
 
 
 def body(**extra: Any) -> GenerationRequest:

@@ -18,11 +18,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 
-from sluice.api.app import create_app
-from sluice.api.keys import ApiKeys, BearerAuth, key_name, parse_env_keys
-from sluice.catalog import ConfigError, load_config
 from sluice.cli import main
 from sluice.config import Settings
+from sluice.models.catalog import ConfigError, load_config
+from sluice.server.app import create_app
+from sluice.server.auth import ApiKeys, BearerAuth, key_name, parse_env_keys
 
 from .helpers import scripted_server
 

@@ -21,8 +21,8 @@ import httpx
 import pytest
 from fakes import ScriptedRunner
 
-from sluice.api import body as body_module
 from sluice.config import Settings
+from sluice.server import body as body_module
 
 from .helpers import CHAT, scripted_server, user
 

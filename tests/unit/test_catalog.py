@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from sluice.catalog import (
+from sluice.config import Settings
+from sluice.core.errors import EngineFailure
+from sluice.models.catalog import (
     ConfigError,
     ModelSpec,
     default_spec,
@@ -18,8 +20,6 @@ from sluice.catalog import (
     resolve_source,
     scan_models_dir,
 )
-from sluice.config import Settings
-from sluice.errors import EngineFailure
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""Model downloads (sluice.serving.downloads) against a real local HTTP server.
+"""Model downloads (sluice.models.downloads) against a real local HTTP server.
 
 The server serves the first 3 MiB of the real embedded GGUF file, honours
 ``Range`` (206 with ``Content-Range``, 416 past the end) and has switchable
@@ -27,8 +27,8 @@ import httpx
 import pytest
 from servers import http_server
 
-from sluice.errors import DownloadFailed, InvalidRequest, NotFound
-from sluice.serving.downloads import DownloadJob, DownloadManager
+from sluice.core.errors import DownloadFailed, InvalidRequest, NotFound
+from sluice.models.downloads import DownloadJob, DownloadManager
 
 SIZE = 3 << 20
 NAME = "tiny.Q4_1.gguf"

@@ -14,9 +14,9 @@ import pytest
 from fakes import EOS, FakeSampler, ScriptedRunner, chat_prompt
 from openai import OpenAI
 
+from sluice.core.events import Finish
 from sluice.engine.engine import _GATHER_SECONDS, Engine, EngineConfig
 from sluice.engine.types import EngineRequest
-from sluice.events import Finish
 
 from .helpers import (
     CHAT,

@@ -12,7 +12,7 @@ import pytest
 from fakes import EOS, FAIL, ScriptedRunner
 from openai import OpenAI
 
-from sluice.errors import (
+from sluice.core.errors import (
     AuthenticationFailed,
     BodyTooLarge,
     ContextOverflow,

@@ -7,12 +7,11 @@ from typing import Any
 
 import pytest
 
-from sluice.api.sse import PING, encode, error_frame
-from sluice.errors import ContextOverflow, EngineFailure, InvalidRequest
-from sluice.events import ErrorEvent, Finish, Start, TextDelta, TokenLogprob, TopLogprob, Usage
-from sluice.serving.accumulate import Fold
-from sluice.serving.formatters.base import DONE, Frame, UsageTotals
-from sluice.serving.formatters.openai import (
+from sluice.core.errors import ContextOverflow, EngineFailure, InvalidRequest
+from sluice.core.events import ErrorEvent, Finish, Start, TextDelta, TokenLogprob, TopLogprob, Usage
+from sluice.core.fold import Fold
+from sluice.core.frames import DONE, Frame, UsageTotals
+from sluice.dialects.openai.format import (
     ChatStreamFormatter,
     ResponseMeta,
     TextStreamFormatter,
@@ -21,6 +20,7 @@ from sluice.serving.formatters.openai import (
     text_completion_body,
     text_logprobs,
 )
+from sluice.server.sse import PING, encode, error_frame
 
 
 def meta(**kw: object) -> ResponseMeta:

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFEndian, GGUFWriter
 
-from sluice.catalog import resolve_model
-from sluice.gguf_info import (
+from sluice.models.catalog import resolve_model
+from sluice.models.gguf import (
     GgufError,
     GgufInfo,
     estimate_memory,
@@ -92,7 +92,7 @@ def test_agrees_with_the_gguf_packages_own_reader(smollm2: GgufInfo) -> None:
 
 
 def test_reading_is_fast_and_cached(smollm2: GgufInfo, gemma: GgufInfo) -> None:
-    from sluice.gguf_info import _read_cached
+    from sluice.models.gguf import _read_cached
 
     _read_cached.cache_clear()
     start = time.perf_counter()
@@ -244,7 +244,7 @@ def test_repacked_weights_counted_twice(gemma: GgufInfo) -> None:
 # a full batch (prefill of seq 0) and one more decode touching every sequence.
 _CHILD = """
 import json, sys
-from sluice.catalog import resolve_model
+from sluice.models.catalog import resolve_model
 from sluice.engine.llama_runner import LlamaRunner, LlamaRunnerConfig, _init_backend
 from sluice.engine.runner import BatchEntry
 

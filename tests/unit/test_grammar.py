@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from sluice.errors import InvalidRequest
-from sluice.serving.grammar import (
+from sluice.core.errors import InvalidRequest
+from sluice.grammar import (
     CallFraming,
     ToolSpec,
     integer_range_rule,

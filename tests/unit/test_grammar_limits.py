@@ -18,15 +18,15 @@ from typing import Any
 
 import pytest
 
-from sluice.errors import InvalidRequest
-from sluice.serving.grammar import (
+from sluice.core.errors import InvalidRequest
+from sluice.grammar import (
     DEFAULT_MAX_REPEAT,
     CallFraming,
     ToolSpec,
     json_schema_grammar,
     tool_call_grammar,
 )
-from sluice.serving.tools import ToolLimits
+from sluice.local.plan import ToolLimits
 
 from . import plans
 from .gbnf_regex import explicit_repeats, grammar_regex
@@ -74,9 +74,9 @@ _CHILD = r"""
 import json, resource, sys, time
 limit = 1024 * 2**20
 resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
-from sluice.errors import InvalidRequest
-from sluice.protocol.openai import ChatCompletionRequest
-from sluice.serving.tools import OutputPlan, ToolLimits
+from sluice.core.errors import InvalidRequest
+from sluice.dialects.openai.schema import ChatCompletionRequest
+from sluice.local.plan import OutputPlan, ToolLimits
 for case in json.loads(sys.stdin.read()):
     body = ChatCompletionRequest(
         messages=[{"role": "user", "content": "x"}], **case["request"]

@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
+from sluice.core.request import SamplingParams
 from sluice.engine.llama_runner import LlamaRunner
-from sluice.engine.types import SamplingParams
-from sluice.serving.grammar import (
+from sluice.grammar import (
     DEFAULT_MAX_REPEAT,
     CallFraming,
     ToolSpec,

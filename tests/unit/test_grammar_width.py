@@ -27,10 +27,10 @@ from fakes import CHATML, ScriptedRunner
 
 from sluice import cli
 from sluice.config import Settings
+from sluice.core.errors import InvalidRequest
+from sluice.core.request import SamplingParams
 from sluice.engine.llama_runner import LlamaRunner
-from sluice.engine.types import SamplingParams
-from sluice.errors import InvalidRequest
-from sluice.serving.grammar import (
+from sluice.grammar import (
     ALTERNATIVES_SETTING,
     DEFAULT_MAX_ALTERNATIVES,
     CallFraming,
@@ -38,7 +38,7 @@ from sluice.serving.grammar import (
     json_schema_grammar,
     tool_call_grammar,
 )
-from sluice.serving.tools import OutputPlan, ToolLimits
+from sluice.local.plan import OutputPlan, ToolLimits
 
 from . import plans
 from .gbnf_regex import grammar_regex

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
+from sluice.core.request import SamplingParams
 from sluice.engine.llama_runner import LlamaRunner, _Chain
 from sluice.engine.runner import BatchEntry
-from sluice.engine.types import SamplingParams
 
 from .models import real_runner
 

@@ -7,9 +7,8 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from sluice.api.sse import sse_stream
-from sluice.errors import EngineFailure, InvalidRequest, ModelLoadFailed
-from sluice.events import (
+from sluice.core.errors import EngineFailure, InvalidRequest, ModelLoadFailed
+from sluice.core.events import (
     ErrorEvent,
     Event,
     Finish,
@@ -23,8 +22,9 @@ from sluice.events import (
     ToolResult,
     Usage,
 )
-from sluice.serving.formatters.base import Frame
-from sluice.serving.formatters.lmstudio import LMStudioChatFormatter
+from sluice.core.frames import Frame
+from sluice.dialects.lmstudio.format import LMStudioChatFormatter
+from sluice.server.sse import sse_stream
 
 CALC = {"type": "plugin", "plugin_id": "mcp/calc"}
 WEB = {"type": "ephemeral_mcp", "server_label": "web"}

@@ -8,14 +8,14 @@ from typing import Any
 
 import pytest
 
-from sluice.engine.types import SamplingParams
-from sluice.errors import InvalidRequest, ReasoningUnsupported, lmstudio_error_body
-from sluice.protocol.lmstudio import (
+from sluice.core.errors import InvalidRequest, ReasoningUnsupported, lmstudio_error_body
+from sluice.core.request import SamplingParams
+from sluice.dialects.lmstudio.schema import (
     ChatRequest,
     parse,
-    reasoning_capability,
     reasoning_switch,
 )
+from sluice.models.files import reasoning_capability
 
 PNG = "data:image/png;base64,iVBORw0KGgo="
 SWITCHABLE = {"allowed_options": ["off", "on"], "default": "on"}
@@ -201,10 +201,7 @@ def test_a_reasoning_level_travels_as_reasoning_effort() -> None:
 # -- reasoning -----------------------------------------------------------------------------
 
 
-def test_reasoning_capability_lives_beside_the_switch() -> None:
-    from sluice.api.lmstudio import reasoning_capability as from_api
-
-    assert from_api is reasoning_capability
+def test_reasoning_capability_follows_the_template_switch() -> None:
     assert reasoning_capability("<think>{% if enable_thinking %}{% endif %}") == SWITCHABLE
     assert reasoning_capability("<think>") == ALWAYS
     assert reasoning_capability("{{ messages }}") is None

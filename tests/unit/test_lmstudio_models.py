@@ -10,28 +10,28 @@ from typing import Any
 
 import pytest
 
-from sluice.api.lmstudio import (
-    _lms_error_response,
-    model_entry,
-    read_model_file,
-    reasoning_capability,
-)
-from sluice.catalog import ModelSpec
 from sluice.config import Settings
-from sluice.errors import (
+from sluice.core.errors import (
     BodyTooLarge,
     InsufficientMemory,
     InvalidRequest,
     ModelLoadFailed,
     ModelTooLarge,
 )
-from sluice.protocol.lmstudio import (
+from sluice.dialects.lmstudio.routes import (
+    _lms_error_response,
+    model_entry,
+    read_model_file,
+)
+from sluice.dialects.lmstudio.schema import (
     DownloadModelRequest,
     LoadModelRequest,
     UnloadModelRequest,
     parse,
 )
-from sluice.serving.registry import ModelStatus
+from sluice.models.catalog import ModelSpec
+from sluice.models.files import reasoning_capability
+from sluice.models.registry import ModelStatus
 
 SMOLLM2 = ModelSpec("smollm2-135m-instruct", "smollm2", "packaged", aliases=("smollm2",))
 THINKING = (

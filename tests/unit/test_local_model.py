@@ -7,14 +7,14 @@ import itertools
 
 import pytest
 
-from sluice.catalog import packaged_specs
 from sluice.config import Settings
-from sluice.errors import ModelUnloaded
-from sluice.events import ErrorEvent, Finish, Start, TextDelta
-from sluice.serving.local import LocalModel
-from sluice.serving.offload import Offload
-from sluice.serving.registry import LoadOptions, ModelRegistry
-from sluice.serving.request import GenerationRequest
+from sluice.core.errors import ModelUnloaded
+from sluice.core.events import ErrorEvent, Finish, Start, TextDelta
+from sluice.core.request import GenerationRequest
+from sluice.local.model import LocalModel
+from sluice.local.offload import Offload
+from sluice.models.catalog import packaged_specs, resolved
+from sluice.models.registry import LoadOptions, ModelRegistry
 
 SETTINGS = Settings(threads=1, ctx=256, parallel=1)
 
@@ -30,7 +30,7 @@ def registry(offload: Offload) -> ModelRegistry:
         lambda: specs,
         default=specs[0].name,
         loader=lambda spec, options, progress: LocalModel.load(
-            spec, options, SETTINGS, offload, progress
+            resolved(spec), options, SETTINGS, offload, progress
         ),
         estimator=lambda spec, options: 0,
         budget_bytes=2**34,
@@ -55,7 +55,7 @@ async def test_the_local_model_answers_a_neutral_request_and_ends_it_on_unload(
     offload: Offload,
 ) -> None:
     spec = next(s for s in packaged_specs() if s.name == "smollm2-135m-instruct")
-    model = await asyncio.to_thread(LocalModel.load, spec, LoadOptions(), SETTINGS, offload, None)
+    model = await asyncio.to_thread(LocalModel.load, resolved(spec), LoadOptions(), SETTINGS, offload, None)
     try:
         request = GenerationRequest(messages=[{"role": "user", "content": "Hi"}], max_tokens=3, n=1)
         stream = await model.open(request)

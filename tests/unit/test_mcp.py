@@ -20,15 +20,15 @@ from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from servers import free_port, mcp_http_server
 
 from sluice.config import Settings
-from sluice.errors import IntegrationNotAllowed, InvalidRequest, McpConnectionError
-from sluice.serving.mcp import (
+from sluice.core.errors import IntegrationNotAllowed, InvalidRequest, McpConnectionError
+from sluice.tools.mcp import (
     EphemeralIntegration,
     McpManager,
     PluginIntegration,
     ToolCallFailed,
     parse_integrations,
 )
-from sluice.serving.mcp_servers import (
+from sluice.tools.mcp_servers import (
     HttpServer,
     McpConnection,
     StdioServer,

@@ -12,8 +12,8 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from sluice.api.metrics import metrics as metrics_endpoint
-from sluice.events import (
+from sluice.core.backend import StreamMeta
+from sluice.core.events import (
     ErrorEvent,
     Event,
     Finish,
@@ -26,8 +26,8 @@ from sluice.events import (
     ToolCallStart,
     Usage,
 )
-from sluice.serving.backend import StreamMeta
-from sluice.serving.metrics import Metrics, OpenAIChunkTap, metered
+from sluice.dialects.ops import metrics as metrics_endpoint
+from sluice.metrics import Metrics, OpenAIChunkTap, metered
 
 
 class Clock:

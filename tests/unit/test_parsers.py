@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from sluice.events import Event, TextDelta, ToolCallDelta, ToolCallStart
+from sluice.core.events import Event, TextDelta, ToolCallDelta, ToolCallStart
 from sluice.parsers.base import StreamParser
 from sluice.parsers.generic import GenericParser
 from sluice.parsers.hermes import HermesParser

@@ -8,7 +8,7 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from sluice.events import (
+from sluice.core.events import (
     Event,
     ReasoningDelta,
     TextDelta,

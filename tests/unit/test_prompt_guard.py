@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from sluice.serving.prompt import MARK, ControlTextGuard
-from sluice.serving.templates import ChatTemplate
+from sluice.local.prompt import MARK, ControlTextGuard
+from sluice.local.templates import ChatTemplate
 
 from .models import real_runner
 

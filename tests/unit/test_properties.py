@@ -54,8 +54,8 @@ from hypothesis import HealthCheck, Phase, event, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
 
-from sluice.engine.types import SamplingParams
-from sluice.protocol.openai import ChatCompletionRequest, CompletionRequest
+from sluice.core.request import SamplingParams
+from sluice.dialects.openai.schema import ChatCompletionRequest, CompletionRequest
 
 from .helpers import CHAT, TEXT, scripted_server
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from sluice.errors import EngineFailure
-from sluice.events import ErrorEvent, Event, Finish, Start, TextDelta, Usage
-from sluice.serving.backend import StreamMeta
-from sluice.serving.recorder import Recorder
+from sluice.core.backend import StreamMeta
+from sluice.core.errors import EngineFailure
+from sluice.core.events import ErrorEvent, Event, Finish, Start, TextDelta, Usage
 from sluice.store import NewMessage, SQLiteStore
+from sluice.store.recorder import Recorder
 
 
 class Scripted:

@@ -17,8 +17,7 @@ from typing import Any
 
 import pytest
 
-from sluice.catalog import ModelSpec
-from sluice.errors import (
+from sluice.core.errors import (
     InsufficientMemory,
     ModelLoadFailed,
     ModelNotFound,
@@ -26,8 +25,9 @@ from sluice.errors import (
     ServerBusy,
     ShuttingDown,
 )
-from sluice.serving.memory import mem_available
-from sluice.serving.registry import LoadOptions, ModelRegistry, Progress
+from sluice.models.catalog import ModelSpec
+from sluice.models.memory import mem_available
+from sluice.models.registry import LoadOptions, ModelRegistry, Progress
 
 GiB = 1 << 30
 SPECS = [

@@ -24,7 +24,7 @@ import pytest
 from fakes import ScriptedRunner
 from servers import free_port
 
-from sluice.router.sse import SSEDecoder
+from sluice.upstream.sse import SSEDecoder
 
 from .helpers import CHAT, parse_sse, scripted_server
 

@@ -17,10 +17,10 @@ import httpx
 import pytest
 from servers import free_port
 
-from sluice.errors import UpstreamFailed, UpstreamTimeout, UpstreamUnavailable
-from sluice.router import pool as pool_module
-from sluice.router.config import UpstreamSpec
-from sluice.router.pool import UpstreamPool
+from sluice.core.errors import UpstreamFailed, UpstreamTimeout, UpstreamUnavailable
+from sluice.upstream import pool as pool_module
+from sluice.upstream.config import UpstreamSpec
+from sluice.upstream.pool import UpstreamPool
 
 SSE = b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\ndata: [DONE]\n\n'
 BODY = b'{"model":"m1","stream":true,"messages":[{"role":"user","content":"x"}]}'

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sluice.errors import UpstreamMalformed
-from sluice.router.sse import SSEDecoder, SSEMessage
+from sluice.core.errors import UpstreamMalformed
+from sluice.upstream.sse import SSEDecoder, SSEMessage
 
 BOM = b"\xef\xbb\xbf"
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from sluice.core.events import TokenLogprob
 from sluice.engine.text import SequenceText, StopMatcher, Utf8Assembler
-from sluice.events import TokenLogprob
 
 CHARS = ["é", "€", "😀"]  # 2-, 3- and 4-byte UTF-8
 

@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
-from sluice.errors import EngineFailure, ToolRoundsExceeded
-from sluice.events import (
+from sluice.core.backend import StreamMeta
+from sluice.core.errors import EngineFailure, ToolRoundsExceeded
+from sluice.core.events import (
     ErrorEvent,
     Event,
     Finish,
@@ -22,10 +23,9 @@ from sluice.events import (
     ToolResult,
     Usage,
 )
-from sluice.serving.backend import StreamMeta
-from sluice.serving.mcp import ToolCallFailed, ToolSpec
-from sluice.serving.request import GenerationRequest
-from sluice.serving.toolloop import ToolLoop
+from sluice.core.request import GenerationRequest
+from sluice.tools.loop import ToolLoop
+from sluice.tools.mcp import ToolCallFailed, ToolSpec
 
 META = StreamMeta("m", 1, frozenset({0}))
 ADD = ToolSpec(

@@ -23,7 +23,7 @@ import pytest
 from fakes import CHATML, EOS, ScriptedRunner
 from openai import OpenAI
 
-from sluice.engine.types import SamplingParams
+from sluice.core.request import SamplingParams
 
 from .helpers import CHAT, chat_text, finishes, post_stream, scripted_server
 

@@ -15,15 +15,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sluice.engine.types import SamplingParams
-from sluice.errors import (
+from sluice.core.errors import (
     UpstreamFailed,
     UpstreamMalformed,
     UpstreamRejected,
     error_frame_payload,
     spec_for,
 )
-from sluice.events import (
+from sluice.core.events import (
     ErrorEvent,
     Event,
     Finish,
@@ -37,17 +36,17 @@ from sluice.events import (
     TopLogprob,
     Usage,
 )
-from sluice.protocol.openai import ChatCompletionRequest, CompletionRequest
-from sluice.serving.accumulate import Fold
-from sluice.serving.formatters.openai import (
+from sluice.core.fold import Fold
+from sluice.core.request import GenerationRequest, SamplingParams
+from sluice.dialects.openai.format import (
     ChatStreamFormatter,
     ResponseMeta,
     TextStreamFormatter,
     chat_completion_body,
     text_completion_body,
 )
-from sluice.serving.request import GenerationRequest
-from sluice.serving.upstream_codec import (
+from sluice.dialects.openai.schema import ChatCompletionRequest, CompletionRequest
+from sluice.upstream.codec import (
     ChunkDecoder,
     error_from_response,
     stream_meta,

@@ -29,6 +29,24 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from sluice.core.errors import (
+    ContextOverflow,
+    EngineFailure,
+    InvalidRequest,
+    ServerBusy,
+    ShuttingDown,
+    SluiceError,
+)
+from sluice.core.events import (
+    ErrorEvent,
+    Event,
+    Finish,
+    FinishReason,
+    Progress,
+    TextDelta,
+    TokenLogprob,
+    Usage,
+)
 from sluice.engine.prompt_cache import (
     MIN_TOKENS,
     RESTORE_RATIO,
@@ -40,24 +58,6 @@ from sluice.engine.runner import BatchEntry, DecodeError, ModelRunner, Sampler
 from sluice.engine.scheduler import Planned, PrefillPacer, SlotView, deferred, plan_batch
 from sluice.engine.text import Ready, SequenceText, Utf8Assembler
 from sluice.engine.types import EngineRequest, EventSink, SlotState
-from sluice.errors import (
-    ContextOverflow,
-    EngineFailure,
-    InvalidRequest,
-    ServerBusy,
-    ShuttingDown,
-    SluiceError,
-)
-from sluice.events import (
-    ErrorEvent,
-    Event,
-    Finish,
-    FinishReason,
-    Progress,
-    TextDelta,
-    TokenLogprob,
-    Usage,
-)
 
 log = logging.getLogger("sluice.engine")
 

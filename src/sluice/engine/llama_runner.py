@@ -28,11 +28,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from sluice.core.errors import InvalidRequest, ModelLoadFailed
+from sluice.core.events import TokenLogprob, TopLogprob
+from sluice.core.request import SamplingParams
 from sluice.engine.runner import BatchEntry, DecodeError, ModelInfo
 from sluice.engine.text import literal_regex
-from sluice.engine.types import SamplingParams
-from sluice.errors import InvalidRequest, ModelLoadFailed
-from sluice.events import TokenLogprob, TopLogprob
 
 log = logging.getLogger("sluice.llama")
 

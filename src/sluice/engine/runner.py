@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from sluice.engine.types import SamplingParams
-from sluice.events import TokenLogprob
+from sluice.core.events import TokenLogprob
+from sluice.core.request import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

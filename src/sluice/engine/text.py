@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sluice.events import TokenLogprob
+from sluice.core.events import TokenLogprob
 
 
 class Utf8Assembler:

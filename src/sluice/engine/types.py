@@ -11,37 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from sluice.events import Event
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """Per-request sampler chain settings (llama.cpp semantics).
-
-    ``temperature <= 0`` means greedy. ``seed is None`` means random.
-    """
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repeat_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    penalty_last_n: int = 64
-    seed: int | None = None
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    ignore_eos: bool = False
-    grammar: str | None = None  # GBNF; constrains every sampled token
-    grammar_triggers: tuple[str, ...] = ()  # regexes: the grammar engages once one matches
-
-    @property
-    def uses_penalties(self) -> bool:
-        return (
-            self.repeat_penalty != 1.0
-            or self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-        )
+from sluice.core.events import Event
+from sluice.core.request import SamplingParams
 
 
 @dataclass(slots=True)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from sluice.events import Event
+from sluice.core.events import Event
 
 
 class StreamParser(Protocol):

@@ -13,7 +13,7 @@ import secrets
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from sluice.events import Event, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
+from sluice.core.events import Event, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
 
 if TYPE_CHECKING:  # jsonscan imports this module
     from sluice.parsers.jsonscan import ToolCallScanner

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from enum import Enum, auto
 
-from sluice.events import Event
+from sluice.core.events import Event
 from sluice.parsers.common import (
     CallEmitter,
     CallProgress,

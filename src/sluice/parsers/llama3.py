@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from enum import Enum, auto
 
-from sluice.events import Event, TextDelta
+from sluice.core.events import Event, TextDelta
 from sluice.parsers.common import WHITESPACE, CallEmitter, CallProgress, advance_call, content
 from sluice.parsers.jsonscan import ToolCallScanner
 

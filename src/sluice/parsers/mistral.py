@@ -22,7 +22,7 @@ from __future__ import annotations
 import string
 from enum import Enum, auto
 
-from sluice.events import Event
+from sluice.core.events import Event
 from sluice.parsers.common import (
     WHITESPACE,
     CallEmitter,

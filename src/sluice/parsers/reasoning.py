@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from enum import Enum, auto
 
-from sluice.events import Event, ReasoningDelta, TextDelta
+from sluice.core.events import Event, ReasoningDelta, TextDelta
 from sluice.parsers.common import WHITESPACE, partial_tag_len
 
 

@@ -19,7 +19,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from sluice.errors import InternalError, InvalidRequest, NotFound, ShuttingDown
+from sluice.core.errors import InternalError, InvalidRequest, NotFound, ShuttingDown
 
 MessageStatus = Literal["complete", "incomplete", "failed"]
 MESSAGE_STATUSES: tuple[MessageStatus, ...] = ("complete", "incomplete", "failed")

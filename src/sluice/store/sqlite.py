@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Self, TypeVar
 
-from sluice.errors import InvalidRequest
+from sluice.core.errors import InvalidRequest
 from sluice.store.models import (
     CONVERSATION_PREFIX,
     MESSAGE_PREFIX,

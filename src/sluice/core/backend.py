@@ -1,0 +1,69 @@
+"""What every backend implements: ``open(request) -> ResponseStream``.
+
+Routes, wrappers and formatters see only this protocol, so they cannot tell
+a local llama.cpp model from an upstream server.
+
+Example::
+
+    stream = await backend.open(request)   # raises a SluiceError before any byte
+    try:
+        async for event in stream:
+            ...
+    finally:
+        await stream.aclose()              # aborts the work if it is still running
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from sluice.core.events import Event
+from sluice.core.request import GenerationRequest
+
+
+@dataclass(frozen=True, slots=True)
+class StreamMeta:
+    """Dialect-neutral facts about a response, known when it opens."""
+
+    model: str  # the name of the model that answers
+    choices: int
+    # The choices whose prompt counts in usage: with n > 1, choices share a prompt.
+    prompt_owners: frozenset[int]
+    logprobs: bool = False
+    # Who answers: the slot (a local model's name, an upstream's name) and, for an
+    # upstream, the replica's base URL. Every dialect names them in a response header.
+    slot: str = ""
+    replica: str | None = None
+
+
+class ResponseStream(Protocol):
+    meta: StreamMeta
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        """The events: ``Start`` per choice, deltas, ``Finish`` per choice (or an
+        ``ErrorEvent``, which ends the stream)."""
+        ...
+
+    async def aclose(self) -> None:
+        """Abort whatever still runs (idempotent)."""
+        ...
+
+
+class Backend(Protocol):
+    async def open(self, request: GenerationRequest) -> ResponseStream:
+        """Validate and start ``request``; every error knowable before the first
+        byte is raised here as a :class:`~sluice.core.errors.SluiceError`."""
+        ...
+
+
+Progress = Callable[[float], None]  # a load's progress, 0.0 to 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class LoadOptions:
+    """Per-load overrides on top of the spec (LM Studio's ``context_length``, ``parallel``)."""
+
+    ctx: int | None = None
+    parallel: int | None = None

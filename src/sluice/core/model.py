@@ -1,0 +1,38 @@
+"""The neutral description of a model: what the catalog lists and a backend loads.
+
+Example::
+
+    spec = ModelSpec(name="qwen", source="/models/qwen.gguf", origin="config", ctx=8192)
+    "qwen" in spec.lookup_keys()
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Origin = Literal["packaged", "models_dir", "config", "path"]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """One model the server knows: from the packages, the models folder or the config file.
+
+    ``None`` fields take the server's settings (``--ctx``, ``--parallel``, ...).
+    """
+
+    name: str  # the key clients send as ``model``
+    source: str  # packaged model name or path to a .gguf file
+    origin: Origin = "path"
+    aliases: tuple[str, ...] = ()
+    ctx: int | None = None  # tokens per sequence
+    parallel: int | None = None  # slots
+    threads: int | None = None
+    gpu_layers: int | None = None
+    chat_template: str | None = None  # path to a Jinja file overriding the GGUF's template
+    tool_format: str | None = None  # hermes | llama3 | mistral | generic
+    ttl: float | None = None  # idle seconds before unloading; 0: never
+
+    def lookup_keys(self) -> tuple[str, ...]:
+        """Its name and aliases, lower-cased: what a request's ``model`` is matched against."""
+        return tuple(dict.fromkeys(k.lower() for k in (self.name, *self.aliases)))

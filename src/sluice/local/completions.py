@@ -1,0 +1,226 @@
+"""The local model's half of the seam: a neutral request -> engine requests -> events.
+
+Everything knowable before the first byte is checked in :meth:`prepare` and
+:meth:`open` (fields, template, tokens, context, sampler, capacity), so a
+route can still answer with a real HTTP status when any of it fails.
+
+Example::
+
+    service = CompletionService(engine, template, options)
+    gen = service.prepare(request)          # a GenerationRequest
+    stream = service.open(gen)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
+
+from sluice.core.backend import StreamMeta
+from sluice.core.errors import InvalidRequest
+from sluice.core.events import Event
+from sluice.core.request import GenerationRequest, SamplingParams
+from sluice.engine.engine import Engine
+from sluice.engine.types import EngineRequest
+from sluice.local.parsing import parse_stream
+from sluice.local.plan import OutputPlan, ReasoningMarkers, ToolLimits
+from sluice.local.prompt import ControlTextGuard
+from sluice.local.stream import EventStream
+from sluice.local.templates import ChatTemplate
+from sluice.parsers.base import StreamParser
+from sluice.parsers.registry import detect_reasoning, detect_tool_format, template_opens_think
+
+log = logging.getLogger("sluice.serving")
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceOptions:
+    default_max_tokens: int | None = None  # chat; None = until EOS or end of context
+    tool_format: str | None = None  # hermes | llama3 | mistral | generic; None: from template
+    # /v1/completions: control-token text in a prompt becomes control tokens (the
+    # client writes the whole prompt there); chat message text never does.
+    prompt_special_tokens: bool = True
+    tool_limits: ToolLimits = field(default_factory=ToolLimits)
+
+
+@dataclass(slots=True)
+class Generation:
+    """A request that passed validation, ready to submit."""
+
+    meta: StreamMeta
+    requests: list[EngineRequest]
+    echo_texts: dict[int, str] = field(default_factory=dict)
+    parsers: Callable[[int], list[StreamParser]] | None = None  # per choice
+
+
+class CompletionService:
+    """Chat and text completions on one local engine."""
+
+    def __init__(
+        self, name: str, engine: Engine, template: ChatTemplate, options: ServiceOptions
+    ) -> None:
+        self.name = name
+        self.engine = engine
+        self.runner = engine.runner
+        self.template = template
+        self.options = options
+        source = self.runner.info.chat_template if template.available else None
+        self.tool_format = options.tool_format or detect_tool_format(source)
+        markers = detect_reasoning(source)
+        self.reasoning = ReasoningMarkers(*markers) if markers else None
+        self.guard = ControlTextGuard(self.runner.control_texts)
+        # No output can be longer than this many characters: a schema maximum past it
+        # is the same as none (and costs no grammar repetitions).
+        self.tool_limits = replace(
+            options.tool_limits,
+            max_output_chars=self.runner.n_ctx_seq * self.runner.max_piece_bytes,
+        )
+
+    # -- chat ----------------------------------------------------------------
+
+    def prepare(self, request: GenerationRequest) -> Generation:
+        if request.is_chat:
+            return self.prepare_chat(request)
+        return self.prepare_text(request)
+
+    def prepare_chat(self, body: GenerationRequest) -> Generation:
+        assert body.messages is not None
+        plan = OutputPlan.build(
+            body, fmt=self.tool_format, reasoning=self.reasoning, limits=self.tool_limits
+        )
+        messages = plan.prepare_messages(body.messages)
+        extra = {**plan.template_extra(), **(body.template_kwargs or {})}
+        if body.reasoning_effort is not None:
+            extra.setdefault("reasoning_effort", body.reasoning_effort)
+        # Everything the request put into the prompt is text, never control tokens.
+        prompt_text = self.template.render(
+            self.guard.escape(messages), extra=self.guard.escape(extra)
+        )
+        if plan.reasoning is not None:
+            # A grammar that engages from the first token leaves no room for reasoning:
+            # the output is the answer (or the calls) even if the template opened a block.
+            constrained = plan.grammar is not None and not plan.triggers
+            plan.reasoning_opened = template_opens_think(prompt_text) and not constrained
+        tokens = self._tokenize_prompt(prompt_text)
+        self.engine.check_prompt(len(tokens))
+        top_n = body.logprobs
+        limit = body.max_tokens
+        if limit is None:
+            limit = self.options.default_max_tokens
+        sampling = replace(
+            self._sampling(body.sampling), grammar=plan.grammar, grammar_triggers=plan.triggers
+        )
+        requests = [
+            EngineRequest(
+                prompt_tokens=tokens,
+                max_tokens=limit,
+                stop=body.stop,
+                sampling=_choice_seed(sampling, i),
+                logprobs=top_n,
+                choice=i,
+                render_special=plan.render_special,
+            )
+            for i in range(body.n)
+        ]
+        meta = StreamMeta(
+            model=self.name,
+            slot=self.name,
+            choices=body.n,
+            prompt_owners=frozenset({0}),
+            logprobs=top_n is not None,
+        )
+        return Generation(meta, requests, parsers=plan.parsers if plan.has_parsers else None)
+
+    # -- text ----------------------------------------------------------------
+
+    def prepare_text(self, body: GenerationRequest) -> Generation:
+        assert body.prompts is not None
+        requests: list[EngineRequest] = []
+        echo_texts: dict[int, str] = {}
+        owners: set[int] = set()
+        sampling = self._sampling(body.sampling)
+        for p_index, prompt in enumerate(body.prompts):
+            if isinstance(prompt, str):
+                tokens = self.runner.tokenize(
+                    prompt, add_special=True, parse_special=self.options.prompt_special_tokens
+                )
+                text = prompt
+            else:
+                bad = [t for t in prompt if not 0 <= t < self.runner.n_vocab]
+                if bad:
+                    raise InvalidRequest(
+                        f"prompt token id {bad[0]} is out of range", param="prompt"
+                    )
+                tokens = list(prompt)
+                text = b"".join(self.runner.token_bytes(t) for t in tokens).decode(
+                    "utf-8", "replace"
+                )
+            self.engine.check_prompt(len(tokens), param="prompt")
+            for j in range(body.n):
+                choice = p_index * body.n + j
+                if j == 0:
+                    owners.add(choice)
+                with_lp_echo = body.echo and body.logprobs is not None
+                if body.echo and not with_lp_echo:
+                    echo_texts[choice] = text
+                requests.append(
+                    EngineRequest(
+                        prompt_tokens=tokens,
+                        max_tokens=body.max_tokens,
+                        stop=body.stop,
+                        sampling=_choice_seed(sampling, j),
+                        logprobs=body.logprobs,
+                        echo=with_lp_echo,
+                        choice=choice,
+                    )
+                )
+        meta = StreamMeta(
+            model=self.name,
+            slot=self.name,
+            choices=len(requests),
+            prompt_owners=frozenset(owners),
+            logprobs=body.logprobs is not None,
+        )
+        return Generation(meta, requests, echo_texts)
+
+    # -- both ----------------------------------------------------------------
+
+    def open(self, gen: Generation, loop: asyncio.AbstractEventLoop | None = None) -> EventStream:
+        """Submit to the engine (capacity is checked here) and return the stream.
+
+        With ``loop`` given this may run on a worker thread (sampler and grammar
+        set-up happen here); events are delivered to ``loop``.
+        """
+        return EventStream.open(self.engine, gen.requests, gen.echo_texts, loop=loop)
+
+    def events(self, gen: Generation, stream: EventStream) -> AsyncIterator[Event]:
+        """The response's events: the engine's, through the output parsers if any."""
+        if gen.parsers is None:
+            return stream.__aiter__()
+        return parse_stream(stream.__aiter__(), gen.parsers)
+
+    def _sampling(self, sampling: SamplingParams) -> SamplingParams:
+        for token, _bias in sampling.logit_bias:
+            if not 0 <= token < self.runner.n_vocab:
+                raise InvalidRequest(
+                    f"logit_bias token id {token} is out of range (the vocabulary has "
+                    f"{self.runner.n_vocab} tokens)",
+                    param="logit_bias",
+                )
+        return sampling
+
+    def _tokenize_prompt(self, text: str) -> list[int]:
+        info = self.runner.info
+        # A template that writes the BOS itself must not get a second one.
+        add_bos = info.add_bos and not (info.bos_token and text.startswith(info.bos_token))
+        return self.guard.tokenize(text, self.runner.tokenize, add_special=add_bos)
+
+
+def _choice_seed(sampling: SamplingParams, index: int) -> SamplingParams:
+    """Distinct but reproducible seeds for the choices of one request (never 2**32-1,
+    which llama.cpp reads as "random")."""
+    if index == 0 or sampling.seed is None:
+        return sampling
+    return replace(sampling, seed=(sampling.seed + index) % 0xFFFFFFFF)

@@ -1,0 +1,289 @@
+"""The local backend: one GGUF model on llama.cpp behind the request seam.
+
+A :class:`LocalModel` owns a runner (weights + context), the engine thread
+that decodes on it, and the completion service that turns a neutral request
+into engine requests. Templates, tokenization and sampler/grammar set-up run
+on the shared worker threads (``Offload``), never on the event loop.
+
+Example::
+
+    model = LocalModel.load(spec, options, settings, offload, progress=print)  # blocking
+    stream = await model.open(GenerationRequest(messages=[...]))
+    ...
+    model.close()   # in-flight requests end with a ModelUnloaded error frame
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sluice.config import Settings
+from sluice.core.backend import LoadOptions, Progress, StreamMeta
+from sluice.core.errors import ModelUnloaded, SluiceError
+from sluice.core.events import Event
+from sluice.core.model import ModelSpec
+from sluice.core.request import GenerationRequest
+from sluice.engine.engine import Engine, EngineConfig, EngineStats
+from sluice.engine.runner import ModelRunner
+from sluice.local.completions import CompletionService, Generation, ServiceOptions
+from sluice.local.offload import Offload
+from sluice.local.plan import ToolLimits
+from sluice.local.stream import EventStream
+from sluice.local.templates import ChatTemplate
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSettings:
+    """A model's effective load settings: its spec's values, else the server's."""
+
+    ctx: int
+    parallel: int
+    batch: int
+    threads: int
+    gpu_layers: int
+    chat_template: str | None
+    tool_format: str | None
+
+    @classmethod
+    def of(cls, spec: ModelSpec, options: LoadOptions, settings: Settings) -> ModelSettings:
+        def pick(*values: Any) -> Any:
+            return next(v for v in values if v is not None)
+
+        return cls(
+            ctx=pick(options.ctx, spec.ctx, settings.ctx),
+            parallel=pick(options.parallel, spec.parallel, settings.parallel),
+            batch=settings.batch,
+            threads=pick(spec.threads, settings.threads),
+            gpu_layers=pick(spec.gpu_layers, settings.gpu_layers),
+            chat_template=spec.chat_template or settings.chat_template,
+            tool_format=spec.tool_format or settings.tool_format,
+        )
+
+
+class LocalStream:
+    """A :class:`~sluice.core.backend.ResponseStream` over the local engine."""
+
+    def __init__(self, meta: StreamMeta, events: AsyncIterator[Event], stream: EventStream) -> None:
+        self.meta = meta
+        self._events = events
+        self._stream = stream
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self._events
+
+    async def aclose(self) -> None:
+        self._stream.close()
+        aclose = getattr(self._events, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+def service_options(settings: Settings, tool_format: str | None) -> ServiceOptions:
+    return ServiceOptions(
+        default_max_tokens=settings.default_max_tokens,
+        tool_format=tool_format,
+        prompt_special_tokens=settings.prompt_special_tokens,
+        tool_limits=ToolLimits(
+            max_tools=settings.max_tools,
+            max_schema_bytes=settings.max_schema_bytes,
+            max_grammar_repeat=settings.max_grammar_repeat,
+            max_grammar_alternatives=settings.max_grammar_alternatives,
+        ),
+    )
+
+
+class LocalModel:
+    """One loaded model: runner, engine thread, completion service."""
+
+    def __init__(
+        self,
+        name: str,
+        runner: ModelRunner,
+        settings: Settings,
+        offload: Offload,
+        *,
+        model_settings: ModelSettings | None = None,
+        load_seconds: float | None = None,
+    ) -> None:
+        self.name = name
+        self.runner = runner
+        self.offload = offload
+        self.model_settings = model_settings
+        self.load_seconds = load_seconds
+        self.engine = Engine(
+            runner,
+            EngineConfig(
+                n_parallel=model_settings.parallel if model_settings else settings.parallel,
+                max_queue=settings.queue,
+                stream_buffer=settings.stream_buffer,
+                cache_ram_bytes=max(0, settings.cache_ram_mb) << 20,
+                prefill_budget=settings.prefill_budget,
+            ),
+        )
+        info = runner.info
+        template = ChatTemplate(
+            info.chat_template, bos_token=info.bos_token, eos_token=info.eos_token, model_id=name
+        )
+        tool_format = model_settings.tool_format if model_settings else settings.tool_format
+        self.service = CompletionService(
+            name, self.engine, template, service_options(settings, tool_format)
+        )
+        # Work on worker threads that uses the runner (templates, tokenization,
+        # sampler set-up): close() waits for it before freeing the model.
+        self._lock = threading.Condition()
+        self._using = 0
+        self._closed = False
+        self.engine.start()
+
+    @classmethod
+    def load(
+        cls,
+        spec: ModelSpec,
+        options: LoadOptions,
+        settings: Settings,
+        offload: Offload,
+        progress: Progress | None = None,
+    ) -> LocalModel:
+        """Load ``spec`` with llama.cpp (blocking; run it off the event loop).
+
+        ``spec.source`` is the .gguf file (``catalog.resolved(spec)``)."""
+        from sluice.engine.llama_runner import LlamaRunner, LlamaRunnerConfig
+
+        ms = ModelSettings.of(spec, options, settings)
+        template = None
+        if ms.chat_template:
+            template = Path(ms.chat_template).expanduser().read_text(encoding="utf-8")
+        started = time.perf_counter()
+        runner = LlamaRunner.load(
+            LlamaRunnerConfig(
+                model_path=spec.source,
+                model_id=spec.name,
+                n_parallel=ms.parallel,
+                n_ctx=ms.ctx,
+                n_batch=ms.batch,
+                n_threads=ms.threads,
+                n_gpu_layers=ms.gpu_layers,
+                chat_template=template,
+            ),
+            progress,
+        )
+        seconds = time.perf_counter() - started
+        return cls(spec.name, runner, settings, offload, model_settings=ms, load_seconds=seconds)
+
+    # -- the backend protocol -------------------------------------------------
+
+    async def open(self, request: GenerationRequest) -> LocalStream:
+        loop = asyncio.get_running_loop()
+        service = self.service
+        arrival = self.engine.expect()  # a burst of requests prefills together
+
+        def prepare() -> tuple[Generation, EventStream]:
+            try:
+                with self._in_use():
+                    gen = service.prepare(request)
+                    return gen, service.open(gen, loop)
+            finally:
+                arrival.done()
+
+        try:
+            gen, stream = await self.offload.run(prepare, on_abandon=lambda r: r[1].close())
+        finally:
+            arrival.done()  # never prepared (cancelled in the queue)
+        return LocalStream(gen.meta, service.events(gen, stream), stream)
+
+    @contextlib.contextmanager
+    def _in_use(self) -> Iterator[None]:
+        with self._lock:
+            if self._closed:
+                raise ModelUnloaded(f"The model '{self.name}' was unloaded.")
+            self._using += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._using -= 1
+                self._lock.notify_all()
+
+    # -- lifecycle --------------------------------------------------------------
+
+    def close(self, error: SluiceError | None = None) -> None:
+        """Unload (blocking): in-flight requests end with an error frame, memory is freed.
+
+        In-flight requests are ended rather than finished first: whoever unloads
+        wants the memory back now, and a generation may run for minutes.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            while self._using:
+                self._lock.wait()
+        reason = error or ModelUnloaded(
+            f"The model '{self.name}' was unloaded while this request was using it."
+        )
+        self.engine.stop(error=reason)
+        self.runner.close()
+
+    def begin_shutdown(self) -> None:
+        """Server shutdown: refuse new work; running streams end with ShuttingDown."""
+        self.engine.begin_shutdown()
+
+    @property
+    def stats(self) -> EngineStats:
+        return self.engine.stats
+
+    def health(self) -> dict[str, Any]:
+        """Slots and engine counters for ``/health``."""
+        stats = self.engine.stats
+        return {
+            "slots": {
+                "total": stats.slots,
+                "active": stats.active,
+                "queued": stats.queued,
+                "prefilling": stats.prefilling,
+                "generating": stats.generating,
+                "idle": stats.idle,
+                "paused": stats.paused,  # waiting for their client to read (backpressure)
+            },
+            "engine": {
+                "steps": stats.steps,
+                "tokens_generated": stats.tokens_generated,
+                "prompt_tokens_processed": stats.prompt_tokens_processed,
+                "cached_tokens_reused": stats.cached_tokens,
+            },
+            "prompt_cache": {  # KV states of earlier prompts in RAM (--cache-ram)
+                "entries": stats.prompt_cache_entries,
+                "bytes": stats.prompt_cache_bytes,
+                "restores": stats.prompt_cache_hits,
+            },
+        }
+
+    def load_config(self) -> dict[str, Any]:
+        """What this instance was loaded with (LM Studio's ``loaded_instances[].config``)."""
+        ms = self.model_settings
+        return {
+            "context_length": self.runner.n_ctx_seq,
+            "eval_batch_size": ms.batch if ms else None,
+            "parallel": self.engine.stats.slots,
+            "num_threads": ms.threads if ms else None,
+            "gpu_layers": ms.gpu_layers if ms else 0,
+        }
+
+    def card(self) -> dict[str, Any]:
+        """The OpenAI ``/v1/models`` entry's ``meta`` for a loaded model."""
+        info = self.runner.info
+        return {
+            "n_ctx": self.runner.n_ctx_seq,
+            "n_ctx_train": info.n_ctx_train,
+            "n_params": info.n_params,
+            "size": info.size_bytes,
+            "description": info.description,
+            "chat_template": info.chat_template is not None,
+        }

@@ -1,0 +1,207 @@
+"""The dispatcher: a model name or alias -> the slot that serves it.
+
+A slot is a local model (the registry loads it just in time) or an upstream
+server (``upstream.py``). Local names win over an upstream's: they are known
+up front, where an upstream's are partly discovered from its ``/v1/models``
+(an upstream model shadowed so stays reachable through its aliases). A name
+nobody serves goes to the default local model unless names are strict.
+
+Every lease opens metered streams: the slot's live figures are taken on the
+streaming path, local and upstream alike.
+
+Example::
+
+    dispatcher = Dispatcher(registry, [slot], metrics)
+    await dispatcher.start()
+    lease = await dispatcher.acquire("qwen")
+    try:
+        stream = await lease.open(request)     # metered; stream.meta names the slot
+        ...
+    finally:
+        lease.release()
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from sluice.core.backend import Backend, ResponseStream
+from sluice.core.errors import SluiceError, spec_for
+from sluice.core.request import GenerationRequest
+from sluice.metrics import Metrics, metered
+from sluice.models.registry import LoadOptions, ModelRegistry, Progress
+from sluice.upstream.backend import UpstreamModel, UpstreamSlot
+
+log = logging.getLogger("sluice.router")
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamTarget:
+    slot: UpstreamSlot
+    model: str  # the upstream's name for it
+
+    def backend(self) -> UpstreamModel:
+        return self.slot.model(self.model)
+
+
+class _Releasable(Protocol):
+    def release(self) -> None: ...
+
+
+class SlotLease:
+    """A request's hold on a slot; :meth:`open` starts a metered response."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        slot: str,
+        metrics: Metrics,
+        kind: Literal["local", "upstream"],
+        release: _Releasable | None = None,
+        *,
+        loaded_now: bool = False,
+        load_seconds: float | None = None,
+    ) -> None:
+        self.backend = backend
+        self.slot = slot
+        self._metrics = metrics
+        self._kind = kind
+        self._release = release
+        self.loaded_now = loaded_now
+        self.load_seconds = load_seconds
+
+    async def open(self, request: GenerationRequest) -> ResponseStream:
+        meter = self._metrics.slot(self.slot, self._kind).request()
+        try:
+            stream = await self.backend.open(request)
+        except SluiceError as exc:
+            # A refused request (4xx) is the client's; a failing slot (5xx) is the slot's.
+            meter.finish(error=spec_for(exc).status >= 500)
+            raise
+        except BaseException:
+            meter.finish(error=True)
+            raise
+        return metered(stream, meter)
+
+    def release(self) -> None:
+        if self._release is not None:
+            self._release.release()
+            self._release = None
+
+
+class Dispatcher:
+    """Resolves names to slots: local models through the registry, upstream models."""
+
+    def __init__(
+        self, registry: ModelRegistry, upstreams: Sequence[UpstreamSlot], metrics: Metrics
+    ) -> None:
+        self.registry = registry
+        self.upstreams = list(upstreams)
+        self.metrics = metrics
+        for slot in self.upstreams:
+            metrics.slot(slot.name, "upstream")
+
+    async def start(self) -> None:
+        for slot in self.upstreams:
+            await slot.start()
+        self._warn_shadowed()
+
+    async def close(self) -> None:
+        for slot in self.upstreams:
+            await slot.close()
+
+    def upstream_models(self) -> list[tuple[str, UpstreamSlot, str]]:
+        """(public id, slot, upstream name) for every upstream model a client can reach.
+
+        A model shadowed by a local model of the same name is listed under its first
+        alias, or not at all when it has none.
+        """
+        out: list[tuple[str, UpstreamSlot, str]] = []
+        for slot in self.upstreams:
+            models = slot.models()
+            for model in models:
+                public: str | None = model
+                if self.registry.find(model) is not None:
+                    aliases = slot.aliases_of(model)
+                    public = aliases[0] if aliases else None
+                if public is not None:
+                    out.append((public, slot, model))
+            # An alias of a name the upstream does not list (one of its own aliases, say)
+            # still answers: listed under the alias.
+            listed = {m.lower() for m in models}
+            for alias, target in slot.spec.aliases.items():
+                if target.lower() not in listed:
+                    out.append((alias, slot, target))
+        return out
+
+    def _warn_shadowed(self) -> None:
+        for slot in self.upstreams:
+            for model in slot.models():
+                if self.registry.find(model) is not None:
+                    log.warning(
+                        "upstream '%s' serves '%s', which is also a local model's name: "
+                        "the local model answers to it (give the upstream one an alias)",
+                        slot.name,
+                        model,
+                    )
+
+    def upstream(self, name: str | None) -> UpstreamTarget | None:
+        """The upstream target for ``name``, or None when a local model answers it.
+
+        Called from the parsing worker threads too: it only reads tables that are
+        replaced whole, never changed in place (the registry's name index, the
+        replicas' model tuples, the config's aliases).
+        """
+        if name is None or not self.upstreams or self.registry.find(name) is not None:
+            return None
+        for slot in self.upstreams:
+            model = slot.lookup(name)
+            if model is not None:
+                return UpstreamTarget(slot, model)
+        return None
+
+    async def open(
+        self,
+        request: GenerationRequest,
+        *,
+        ttl: float | None = None,
+        progress: Progress | None = None,
+    ) -> tuple[SlotLease, ResponseStream]:
+        """Acquire the slot serving ``request.model`` and open a metered stream on it.
+
+        Every error knowable before the first byte is raised here, the lease
+        already released; otherwise the caller releases it after closing the stream.
+        """
+        lease = await self.acquire(request.model, ttl=ttl, progress=progress)
+        try:
+            return lease, await lease.open(request)
+        except BaseException:
+            lease.release()
+            raise
+
+    async def acquire(
+        self,
+        name: str | None,
+        *,
+        ttl: float | None = None,
+        progress: Progress | None = None,
+        options: LoadOptions | None = None,
+    ) -> SlotLease:
+        """A lease on the slot serving ``name``; a local model loads first if needed
+        (with ``options``, or reloads with them when idle: see ``ModelRegistry.acquire``)."""
+        target = self.upstream(name)
+        if target is not None:
+            return SlotLease(target.backend(), target.slot.name, self.metrics, "upstream")
+        lease = await self.registry.acquire(name, ttl=ttl, progress=progress, options=options)
+        return SlotLease(
+            lease.model,
+            lease.spec.name,
+            self.metrics,
+            "local",
+            lease,
+            loaded_now=lease.loaded_now,
+            load_seconds=lease.load_seconds,
+        )

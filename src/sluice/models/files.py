@@ -1,0 +1,84 @@
+"""What a model file says: its GGUF metadata and the chat template in effect.
+
+Read on a worker thread (file I/O; a packaged model may be assembled first), for
+the model listings of every dialect and for ``/v1/info``.
+
+Example::
+
+    file = read_model_file(spec, settings)
+    file.info.context_length, reasoning_capability(file.template)
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sluice.config import Settings
+from sluice.core.errors import ModelLoadFailed, SluiceError
+from sluice.models.catalog import ModelSpec, resolve_source
+from sluice.models.gguf import GgufError, GgufInfo, read_gguf_info
+from sluice.parsers.registry import detect_reasoning
+
+log = logging.getLogger("sluice.models")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFile:
+    """A model's GGUF metadata, and the chat template in effect for it."""
+
+    info: GgufInfo
+    publisher: str  # general.organization, else "local"
+    template: str | None  # an override file's (config or --chat-template), else the GGUF's
+    supports_tools: bool
+
+
+def read_model_file(spec: ModelSpec, settings: Settings) -> ModelFile:
+    """Blocking (file I/O; a packaged model may be assembled first): run it off the loop.
+
+    Raises :class:`ModelLoadFailed` when the file cannot be found or read.
+    """
+    try:
+        path = resolve_source(spec)
+        info = read_gguf_info(path)
+        publisher = info.organization or "local"
+    except (SluiceError, GgufError, OSError) as exc:
+        message = exc.message if isinstance(exc, SluiceError) else str(exc)
+        raise ModelLoadFailed(f"Cannot read model '{spec.name}': {message}") from exc
+    override = spec.chat_template or settings.chat_template
+    if override is None:
+        return ModelFile(info, publisher, info.chat_template, info.supports_tools)
+    try:
+        template = Path(override).expanduser().read_text(encoding="utf-8")
+    except OSError as exc:  # loading will say so; the listing shows the GGUF's
+        log.warning("cannot read chat template %s: %s", override, exc)
+        return ModelFile(info, publisher, info.chat_template, info.supports_tools)
+    return ModelFile(info, publisher, template, "tools" in template)
+
+
+def read_all_model_files(specs: list[ModelSpec], settings: Settings) -> dict[str, ModelFile | None]:
+    """Every model's file (blocking); None for one that cannot be read, so one broken
+    file does not hide the others."""
+    files: dict[str, ModelFile | None] = {}
+    for spec in specs:
+        try:
+            files[spec.name] = read_model_file(spec, settings)
+        except ModelLoadFailed as exc:
+            log.warning("%s", exc.message)
+            files[spec.name] = None
+    return files
+
+
+def reasoning_capability(template: str | None) -> dict[str, Any] | None:
+    """LM Studio's ``capabilities.reasoning`` for a chat template; None if it does not think.
+
+    A template writes reasoning markers the way the output parsers detect them; it
+    can be told not to think only if it reads a switch (``enable_thinking``, set
+    through ``chat_template_kwargs``).
+    """
+    if template is None or detect_reasoning(template) is None:
+        return None
+    options = ["off", "on"] if "enable_thinking" in template else ["on"]
+    return {"allowed_options": options, "default": "on"}

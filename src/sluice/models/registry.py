@@ -1,0 +1,657 @@
+"""The model registry: the lifecycle of every local model in one server process.
+
+A model loads just in time on first use, once however many requests wait for
+it (each waiter sees the load's progress), and unloads on request, after an
+idle TTL, or to make room for another (least recently used first). A load
+that would not fit the memory budget is refused with a typed error before it
+starts. The registry does not know llama.cpp: a ``Loader`` does the blocking
+load and returns a ``LoadedModel``; an ``Estimator`` says how many bytes a
+load needs.
+
+All registry state lives on the event loop. Loads, closes and estimates run
+on their own daemon threads (as in ``offload.py``: a long C call must never
+keep the process from exiting, nor hold a worker of the shared default
+executor for the seconds a load takes) and report back with
+``call_soon_threadsafe``.
+
+Example::
+
+    registry = ModelRegistry(lambda: specs, default="smollm2", loader=load_local,
+                             estimator=estimate_bytes, budget_bytes=8 << 30)
+    await registry.start()
+    lease = await registry.acquire("smollm2", progress=lambda p: print(f"{p:.0%}"))
+    try:
+        ...  # use lease.model
+    finally:
+        lease.release()
+    await registry.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, TypeVar
+
+from sluice.core.backend import Backend, LoadOptions, Progress
+from sluice.core.errors import (
+    ModelLoadFailed,
+    ModelNotFound,
+    ServerBusy,
+    ShuttingDown,
+    SluiceError,
+)
+from sluice.local.offload import post_to_loop, run_in_thread
+from sluice.models.catalog import ModelSpec
+from sluice.models.memory import RETRY_AFTER, mem_available, plan_room
+
+log = logging.getLogger("sluice.registry")
+
+T = TypeVar("T")
+
+State = Literal["not_loaded", "loading", "loaded", "unloading"]
+
+
+class LoadedModel(Backend, Protocol):
+    """What a loader returns: a backend the registry can close."""
+
+    def close(self) -> None:
+        """Blocking: end in-flight requests (a ``ModelUnloaded`` frame) and free the memory."""
+
+    def load_config(self) -> dict[str, Any]:
+        """The effective configuration for listings, e.g. ``{"context_length": 4096}``."""
+
+
+# Both get the options with the spec's values filled in (None: the server's setting).
+# A loader blocks, and calls progress(0..1) from its own thread.
+Loader = Callable[[ModelSpec, LoadOptions, Progress], LoadedModel]
+Estimator = Callable[[ModelSpec, LoadOptions], int]  # the bytes a load needs
+
+
+@dataclass(frozen=True, slots=True)
+class ModelStatus:
+    name: str
+    state: State
+    in_use: int  # open leases
+    last_used: float | None  # wall-clock time (time.time()) of the last acquire or release
+    load_seconds: float | None
+    estimate_bytes: int | None  # known once the model was sized (loaded, or a load tried)
+    load_config: dict[str, Any] | None
+    loads: int = 0  # loads completed since the server started
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    spec: ModelSpec
+    loaded_now: bool  # this call started or joined the load
+    seconds: float  # how long the load took; 0.0 if the model was already loaded
+
+
+def _effective(spec: ModelSpec, options: LoadOptions | None) -> LoadOptions:
+    """Options with the spec's values filled in, so equal configurations compare equal."""
+    options = options or LoadOptions()
+    return LoadOptions(
+        ctx=options.ctx if options.ctx is not None else spec.ctx,
+        parallel=options.parallel if options.parallel is not None else spec.parallel,
+    )
+
+
+def _describe(options: LoadOptions) -> str:
+    ctx = options.ctx if options.ctx is not None else "default"
+    parallel = options.parallel if options.parallel is not None else "default"
+    return f"context_length={ctx}, parallel={parallel}"
+
+
+def _close_quietly(model: LoadedModel) -> None:
+    try:
+        model.close()
+    except Exception:
+        log.exception("closing an abandoned model failed")
+
+
+@dataclass(slots=True, eq=False)
+class _Instance:
+    """One loaded copy of a model. Leases point here, so a release after an unload is harmless."""
+
+    spec: ModelSpec
+    model: LoadedModel
+    options: LoadOptions
+    estimate: int
+    load_seconds: float
+    leases: int = 0
+    ttl: float | None = None  # set by acquire(ttl=...); None: the spec's, else the registry's
+    # Set by an explicit load(ttl=...) (0: stays loaded): a request's ttl does not change it.
+    ttl_pinned: bool = False
+    last_used: float = field(default_factory=time.monotonic)
+    last_used_wall: float = field(default_factory=time.time)
+
+    def touch(self) -> None:
+        self.last_used = time.monotonic()
+        self.last_used_wall = time.time()
+
+
+@dataclass(slots=True, eq=False)
+class _Load:
+    """A load in flight: the one task every waiter awaits, and their progress callbacks."""
+
+    spec: ModelSpec
+    options: LoadOptions
+    estimate: int
+    subscribers: list[Progress] = field(default_factory=list)
+    last: float = -1.0
+    task: asyncio.Task[_Instance] | None = None
+
+    def deliver(self, value: float) -> None:
+        """On the loop: pass a new high-water mark to every subscriber."""
+        value = min(max(float(value), 0.0), 1.0)
+        if value <= self.last:
+            return
+        self.last = value
+        for callback in list(self.subscribers):
+            try:
+                callback(value)
+            except Exception:  # one broken subscriber must not starve the others
+                log.exception("a load progress callback failed")
+
+
+@dataclass(slots=True, eq=False)
+class _Entry:
+    """Everything the registry knows about one model name."""
+
+    spec: ModelSpec
+    instance: _Instance | None = None
+    loading: _Load | None = None
+    unloading: asyncio.Task[None] | None = None
+    # Waiters between a load's end and taking their lease: the fresh model is
+    # not idle for them, so neither LRU nor TTL may take it away.
+    pending: int = 0
+    loads: int = 0  # loads completed since the server started
+
+    def state(self) -> State:
+        if self.loading is not None:
+            return "loading"
+        if self.unloading is not None:
+            return "unloading"
+        return "loaded" if self.instance is not None else "not_loaded"
+
+    def idle(self) -> bool:
+        return (
+            self.instance is not None
+            and self.instance.leases == 0
+            and self.pending == 0
+            and self.loading is None
+        )
+
+    def holds(self) -> bool:
+        return self.instance is not None or self.loading is not None
+
+    def last_used(self) -> float:
+        return self.instance.last_used if self.instance is not None else 0.0
+
+    def held(self) -> int:
+        """Bytes this model holds or is about to hold."""
+        if self.loading is not None:
+            return self.loading.estimate
+        return self.instance.estimate if self.instance is not None else 0
+
+    def activity(self) -> str:
+        if self.loading is not None:
+            return "loading"
+        n = (self.instance.leases if self.instance else 0) + self.pending
+        return f"{n} request{'s' if n != 1 else ''} in flight"
+
+
+class Lease:
+    """A request's hold on a loaded model: while open, neither TTL nor LRU unloads the model.
+
+    An explicit unload still closes it (its in-flight requests end with an error
+    frame); releasing afterwards is harmless. Release on the event loop.
+    """
+
+    __slots__ = ("_instance", "_on_release", "_released", "load_seconds", "loaded_now")
+
+    def __init__(
+        self, instance: _Instance, loaded_now: bool, on_release: Callable[[], None]
+    ) -> None:
+        self._instance = instance
+        self._on_release = on_release
+        self._released = False
+        self.loaded_now = loaded_now  # this acquire started or joined a load
+        self.load_seconds = instance.load_seconds if loaded_now else None
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self._instance.spec
+
+    @property
+    def model(self) -> LoadedModel:
+        return self._instance.model
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self._instance.leases -= 1
+        self._instance.touch()
+        self._on_release()
+
+
+class ModelRegistry:
+    """Resolves model names, loads just in time, and unloads on request, TTL or for room."""
+
+    def __init__(
+        self,
+        specs: Callable[[], list[ModelSpec]],
+        *,
+        default: str,
+        loader: Loader,
+        estimator: Estimator,
+        budget_bytes: int,
+        max_loaded: int = 4,
+        ttl: float = 3600.0,
+        strict_names: bool = False,
+        available_memory: Callable[[], int | None] = mem_available,
+    ) -> None:
+        if max_loaded < 1:
+            raise ValueError("max_loaded must be at least 1")
+        if budget_bytes <= 0:
+            raise ValueError("budget_bytes must be positive")
+        self._read_specs = specs
+        self._default = default
+        self._loader = loader
+        self._estimator = estimator
+        self._budget = budget_bytes
+        self._max_loaded = max_loaded
+        self._ttl = ttl
+        self._strict = strict_names
+        self._available = available_memory
+        self._specs: list[ModelSpec] = []
+        self._index: dict[str, ModelSpec] = {}
+        self._entries: dict[str, _Entry] = {}
+        self._estimates: dict[tuple[ModelSpec, LoadOptions], int] = {}
+        self._wake = asyncio.Event()  # something changed that may move a TTL deadline
+        self._reaper: asyncio.Task[None] | None = None
+        self._closed = False
+        self._refresh()
+
+    # -- names ---------------------------------------------------------------
+
+    def resolve(self, name: str | None) -> ModelSpec:
+        """The spec for a name or alias (any case); ``None`` or unknown: the default."""
+        if name is not None:
+            spec = self._lookup(name)
+            if spec is not None:
+                return spec
+            if self._strict:
+                raise ModelNotFound(name)
+        spec = self._lookup(self._default)
+        if spec is None:
+            raise ModelNotFound(self._default)
+        return spec
+
+    def find(self, name: str) -> ModelSpec | None:
+        """The spec a name or alias (any case) names, as last read: no rescan, no
+        default. Cheap enough to ask per request (the dispatcher does)."""
+        return self._index.get(name.lower())
+
+    def known(self) -> list[ModelSpec]:
+        """Every model that can be served, re-read so a new download shows up."""
+        self._refresh()
+        return list(self._specs)
+
+    def _refresh(self) -> None:
+        self._specs = list(self._read_specs())
+        index: dict[str, ModelSpec] = {}
+        # Aliases first, so a model's own name wins over another model's alias.
+        for spec in self._specs:
+            for alias in spec.aliases:
+                index.setdefault(alias.lower(), spec)
+        for spec in self._specs:
+            index[spec.name.lower()] = spec
+        self._index = index
+
+    def _lookup(self, name: str) -> ModelSpec | None:
+        spec = self._index.get(name.lower())
+        if spec is None:  # the file may have been downloaded since the last read
+            self._refresh()
+            spec = self._index.get(name.lower())
+        return spec
+
+    def _named(self, name: str) -> ModelSpec:
+        """Explicit load and unload never fall back to the default model."""
+        spec = self._lookup(name)
+        if spec is None:
+            raise ModelNotFound(name)
+        return spec
+
+    def _entry(self, spec: ModelSpec) -> _Entry:
+        entry = self._entries.get(spec.name.lower())
+        if entry is None:
+            entry = self._entries[spec.name.lower()] = _Entry(spec)
+        elif entry.instance is None and entry.loading is None:
+            entry.spec = spec  # the config may have changed since the last load
+        return entry
+
+    # -- using models ----------------------------------------------------------
+
+    async def acquire(
+        self,
+        name: str | None,
+        *,
+        options: LoadOptions | None = None,
+        progress: Progress | None = None,
+        ttl: float | None = None,
+    ) -> Lease:
+        """A lease on the model, loading it first if needed; release it when done.
+
+        ``options`` None takes whatever instance is loaded; other options than the
+        loaded instance's reload it when idle (``ServerBusy`` when in use). ``ttl``
+        sets this model's idle TTL from now on, like LM Studio's per-request ttl,
+        unless an explicit :meth:`load` set it.
+        """
+        return await self._acquire(self.resolve(name), options, progress, ttl, pin=False)
+
+    async def load(
+        self,
+        name: str,
+        options: LoadOptions | None = None,
+        progress: Progress | None = None,
+        *,
+        ttl: float | None = None,
+    ) -> LoadResult:
+        """Load a model explicitly (no fallback to the default) and hold no lease.
+
+        ``ttl`` (0: never unload when idle) holds against later requests' ttl.
+        """
+        lease = await self._acquire(self._named(name), options, progress, ttl, pin=ttl is not None)
+        lease.release()
+        return LoadResult(lease.spec, lease.loaded_now, lease.load_seconds or 0.0)
+
+    async def _acquire(
+        self,
+        spec: ModelSpec,
+        options: LoadOptions | None,
+        progress: Progress | None,
+        ttl: float | None,
+        *,
+        pin: bool,
+    ) -> Lease:
+        entry = self._entry(spec)
+        wanted = None if options is None else _effective(spec, options)
+        joined = False
+        # Every await below lets the state move on, so each turn looks again.
+        while True:
+            self._check_open()
+            if entry.unloading is not None:
+                await asyncio.wait({entry.unloading})
+            elif entry.loading is not None:
+                load = entry.loading
+                assert load.task is not None
+                if wanted is not None and load.options != wanted:
+                    await asyncio.wait({load.task})  # then reload it below, if idle
+                    continue
+                instance = await self._join(entry, load, progress)
+                joined = True
+                self._check_open()
+                if entry.instance is instance:
+                    return self._lease(instance, joined, ttl, pin)
+            elif entry.instance is not None:
+                instance = entry.instance
+                if wanted is None or instance.options == wanted:
+                    return self._lease(instance, joined, ttl, pin)
+                if not entry.idle():
+                    raise ServerBusy(
+                        f"Model '{spec.name}' is in use with other load options "
+                        f"({_describe(instance.options)}); it can reload with "
+                        f"{_describe(wanted)} once idle.",
+                        retry_after=RETRY_AFTER,
+                    )
+                self._unload(entry)
+            else:
+                fresh = wanted if wanted is not None else _effective(spec, None)
+                await self._begin_load(entry, spec, fresh)
+
+    async def _join(self, entry: _Entry, load: _Load, progress: Progress | None) -> _Instance:
+        assert load.task is not None
+        entry.pending += 1
+        if progress is not None:
+            load.subscribers.append(progress)
+        try:
+            # Shielded: a waiter whose client went away must not cancel everyone's load.
+            return await asyncio.shield(load.task)
+        finally:
+            entry.pending -= 1
+            if progress is not None:
+                load.subscribers.remove(progress)
+
+    def _lease(self, instance: _Instance, loaded_now: bool, ttl: float | None, pin: bool) -> Lease:
+        instance.leases += 1
+        instance.touch()
+        if ttl is not None and (pin or not instance.ttl_pinned):
+            instance.ttl = ttl
+            instance.ttl_pinned = pin
+        return Lease(instance, loaded_now, self._wake.set)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ShuttingDown("The server is shutting down; no model can be loaded.")
+
+    # -- loading ---------------------------------------------------------------
+
+    async def _begin_load(self, entry: _Entry, spec: ModelSpec, options: LoadOptions) -> None:
+        need = await self._estimate(spec, options)
+        if self._closed or entry.state() != "not_loaded":
+            return  # the state moved on while sizing: the caller looks again
+        victims = self._make_room(spec, need)
+        for victim in victims:
+            log.info(
+                "unloading '%s' (least recently used) to load '%s'", victim.spec.name, spec.name
+            )
+            self._unload(victim)
+        # Wait for every unload in progress, not only ours: their memory is not free yet.
+        unloads = [e.unloading for e in self._entries.values() if e.unloading is not None]
+        load = _Load(spec, options, need)
+        entry.loading = load
+        load.task = asyncio.create_task(self._load(entry, load, unloads), name=f"load {spec.name}")
+        # Retrieved here so a failed load nobody waits for any more logs no warning.
+        load.task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    async def _estimate(self, spec: ModelSpec, options: LoadOptions) -> int:
+        key = (spec, options)
+        need = self._estimates.get(key)
+        if need is None:
+            # Off the loop: sizing reads the file's metadata.
+            try:
+                need = await run_in_thread(
+                    lambda: self._estimator(spec, options), "sluice-estimate"
+                )
+            except SluiceError:
+                raise
+            except Exception as exc:
+                raise ModelLoadFailed(f"Could not size model '{spec.name}': {exc}") from exc
+            self._estimates[key] = need
+        return need
+
+    def _make_room(self, spec: ModelSpec, need: int) -> list[_Entry]:
+        """The idle models to unload so ``need`` fits; raises if it cannot fit now."""
+        holders = [e for e in self._entries.values() if e.holds()]
+        return plan_room(
+            spec.name,
+            need,
+            holders,
+            budget=self._budget,
+            max_loaded=self._max_loaded,
+            available=self._available(),
+        )
+
+    async def _load(
+        self, entry: _Entry, load: _Load, unloads: list[asyncio.Task[None]]
+    ) -> _Instance:
+        spec = load.spec
+        loop = asyncio.get_running_loop()
+
+        def progress(value: float) -> None:  # on the load thread
+            post_to_loop(loop, lambda: load.deliver(value))
+
+        try:
+            if unloads:
+                await asyncio.wait(unloads)
+            started = time.monotonic()
+            model = await run_in_thread(
+                lambda: self._loader(spec, load.options, progress),
+                f"sluice-load-{spec.name}",
+                abandon=_close_quietly,
+            )
+            seconds = time.monotonic() - started
+        except BaseException as exc:
+            entry.loading = None
+            if isinstance(exc, SluiceError) or not isinstance(exc, Exception):
+                raise
+            raise ModelLoadFailed(f"Could not load model '{spec.name}': {exc}") from exc
+        # Every progress call was posted before the result, so this comes last.
+        load.deliver(1.0)
+        instance = _Instance(spec, model, load.options, load.estimate, seconds)
+        entry.instance = instance
+        entry.loading = None
+        entry.loads += 1
+        log.info("loaded '%s' in %.2f s", spec.name, seconds)
+        self._wake.set()
+        return instance
+
+    # -- unloading -------------------------------------------------------------
+
+    async def unload(self, name: str) -> None:
+        """Unload now, even with requests in flight (they end with an error frame)."""
+        spec = self._named(name)
+        entry = self._entries.get(spec.name.lower())
+        if entry is not None and entry.loading is not None and entry.loading.task is not None:
+            await asyncio.wait({entry.loading.task})  # let the load finish, then unload it
+        if entry is not None and entry.unloading is not None:
+            await asyncio.wait({entry.unloading})
+            return
+        if entry is None or entry.instance is None:
+            raise ModelNotFound(name)
+        await asyncio.wait({self._unload(entry)})
+
+    def _unload(self, entry: _Entry) -> asyncio.Task[None]:
+        instance = entry.instance
+        assert instance is not None
+        entry.instance = None
+
+        async def close() -> None:
+            try:
+                await run_in_thread(instance.model.close, f"sluice-unload-{instance.spec.name}")
+            except Exception:  # the instance is gone from the registry either way
+                log.exception("closing '%s' failed", instance.spec.name)
+            else:
+                log.info("unloaded '%s'", instance.spec.name)
+            finally:
+                entry.unloading = None
+
+        task = asyncio.create_task(close(), name=f"unload {instance.spec.name}")
+        entry.unloading = task
+        return task
+
+    # -- TTL -------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the TTL reaper."""
+        if self._reaper is None and not self._closed:
+            self._reaper = asyncio.create_task(self._reap(), name="model ttl reaper")
+
+    async def _reap(self) -> None:
+        while not self._closed:
+            self._wake.clear()
+            delay = self._unload_expired()
+            # Sleep to the next deadline; a release or a load wakes us to recompute.
+            # asyncio.timeout, not wait_for: 3.11's wait_for swallows a cancel that
+            # arrives as the event is set, and the reaper would never stop.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(delay):
+                    await self._wake.wait()
+
+    def _unload_expired(self) -> float | None:
+        """Unload idle models past their TTL; seconds until the next deadline."""
+        now = time.monotonic()
+        next_due: float | None = None
+        for entry in self._entries.values():
+            instance = entry.instance
+            if instance is None or not entry.idle():
+                continue
+            ttl = self._ttl_of(instance)
+            if ttl <= 0:
+                continue
+            left = instance.last_used + ttl - now
+            if left <= 0:
+                log.info("unloading '%s': idle for %g s", instance.spec.name, ttl)
+                self._unload(entry)
+            else:
+                next_due = left if next_due is None else min(next_due, left)
+        return next_due
+
+    def _ttl_of(self, instance: _Instance) -> float:
+        if instance.ttl is not None:
+            return instance.ttl
+        return instance.spec.ttl if instance.spec.ttl is not None else self._ttl
+
+    # -- listing and shutdown --------------------------------------------------
+
+    def status(self) -> list[ModelStatus]:
+        """One row per known model, plus any loaded model whose spec has since vanished."""
+        rows = [self._status(spec) for spec in self.known()]
+        listed = {row.name.lower() for row in rows}
+        for key, entry in self._entries.items():
+            if key not in listed and entry.state() != "not_loaded":
+                rows.append(self._status(entry.spec))
+        return rows
+
+    def _status(self, spec: ModelSpec) -> ModelStatus:
+        entry = self._entries.get(spec.name.lower())
+        instance = entry.instance if entry is not None else None
+        estimate = entry.held() if entry is not None and entry.holds() else None
+        return ModelStatus(
+            name=spec.name,
+            state=entry.state() if entry is not None else "not_loaded",
+            in_use=instance.leases if instance is not None else 0,
+            last_used=instance.last_used_wall if instance is not None else None,
+            load_seconds=instance.load_seconds if instance is not None else None,
+            estimate_bytes=(
+                estimate
+                if estimate is not None
+                else self._estimates.get((spec, _effective(spec, None)))
+            ),
+            load_config=instance.model.load_config() if instance is not None else None,
+            loads=entry.loads if entry is not None else 0,
+        )
+
+    def get_loaded(self, name: str) -> LoadedModel | None:
+        spec = self._index.get(name.lower())
+        entry = self._entries.get(spec.name.lower()) if spec is not None else None
+        instance = entry.instance if entry is not None else None
+        return instance.model if instance is not None else None
+
+    async def close(self) -> None:
+        """Stop the reaper, let loads in flight finish, and unload every model."""
+        self._closed = True
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+            self._reaper = None
+        while busy := list(_in_flight(self._entries.values())):
+            await asyncio.wait(busy)
+        unloads = [self._unload(e) for e in self._entries.values() if e.instance is not None]
+        if unloads:
+            await asyncio.wait(unloads)
+
+
+def _in_flight(entries: Iterable[_Entry]) -> Iterable[asyncio.Task[Any]]:
+    for entry in entries:
+        if entry.loading is not None and entry.loading.task is not None:
+            yield entry.loading.task
+        if entry.unloading is not None:
+            yield entry.unloading

@@ -1,0 +1,154 @@
+"""The HTTP application: ``create_app(settings)``; lifespan owns the model registry.
+
+Example::
+
+    app = create_app(Settings.from_env())
+    uvicorn.run(app, host="127.0.0.1", port=8080)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from sluice.config import Settings, default_store_path
+from sluice.core.errors import (
+    InternalError,
+    InvalidRequest,
+    NotFound,
+    SluiceError,
+)
+from sluice.dialects import ops
+from sluice.dialects.gateway import routes as gateway
+from sluice.dialects.lmstudio import chat as lmstudio_chat
+from sluice.dialects.lmstudio import routes as lmstudio
+from sluice.dialects.openai import routes as openai
+from sluice.engine.runner import ModelRunner
+from sluice.local.model import LocalModel
+from sluice.server.auth import ApiKeys, BearerAuth, names_line
+from sluice.server.sse import error_response
+from sluice.server.state import build_state
+from sluice.store import SQLiteStore
+
+log = logging.getLogger("sluice.api")
+
+
+def create_app(
+    settings: Settings, runner_factory: Callable[[Settings], ModelRunner] | None = None
+) -> Starlette:
+    """The ASGI app. ``runner_factory`` lets tests put a scripted runner in the real engine."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        state = build_state(settings, runner_factory)
+        registry = state.registry
+        try:
+            # The default model loads before the server takes requests, as it always did,
+            # and stays loaded (no idle TTL) unless it is unloaded on request.
+            default = registry.resolve(None)
+            await registry.load(default.name, ttl=0)
+            await registry.start()
+            await state.dispatcher.start()  # a first health check finds upstreams' models
+            state._store = await SQLiteStore.open(settings.store or default_store_path())
+        except BaseException:
+            if state._store is not None:
+                await state._store.close()
+            await state.dispatcher.close()
+            await state.mcp.close()
+            await registry.close()
+            await state.downloads.close()
+            state.offload.close()
+            raise
+        app.state.sluice = state
+        model = registry.get_loaded(default.name)
+        if isinstance(model, LocalModel):
+            log.info(
+                "serving %s (ctx %d per sequence, %d slots); %d models known",
+                default.name,
+                model.runner.n_ctx_seq,
+                model.stats.slots,
+                len(registry.known()),
+            )
+        try:
+            yield
+        finally:
+            await state.downloads.close()  # a running download keeps its .part to resume
+            await state.dispatcher.close()
+            await state.mcp.close()  # plugin servers stop (stdio children end)
+            await state.store.close()  # after the streams: their turns are recorded first
+            await registry.close()
+            state.offload.close()
+
+    async def on_http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        if exc.status_code == 404:
+            return error_response(NotFound(f"No route {request.method} {request.url.path}"))
+        if exc.status_code == 405:
+            err = InvalidRequest(f"Method {request.method} is not allowed on {request.url.path}")
+            resp = error_response(err)
+            resp.status_code = 405
+            return resp
+        return JSONResponse(
+            {
+                "error": {
+                    "message": str(exc.detail),
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": None,
+                }
+            },
+            exc.status_code,
+        )
+
+    async def on_sluice_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, SluiceError)
+        return error_response(exc)
+
+    async def on_unexpected(request: Request, exc: Exception) -> Response:
+        # A bug, not the client's fault: still the OpenAI error shape, never a
+        # text/plain page. (Starlette logs the traceback after this answers.)
+        return error_response(InternalError(f"Internal error: {type(exc).__name__}"))
+
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
+            Route("/v1/completions", openai.completions, methods=["POST"]),
+            Route("/v1/models", openai.list_models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", openai.get_model, methods=["GET"]),
+            Route("/c1/chat", gateway.chat, methods=["POST"]),
+            Route("/c1/conversations", gateway.list_conversations, methods=["GET"]),
+            Route(
+                "/c1/conversations/{conversation_id}",
+                gateway.get_conversation,
+                methods=["GET"],
+            ),
+            Route(
+                "/c1/conversations/{conversation_id}",
+                gateway.delete_conversation,
+                methods=["DELETE"],
+            ),
+            Route("/v1/info", ops.catalog, methods=["GET"]),
+            Route("/metrics", ops.metrics, methods=["GET"]),
+            Route("/health", ops.health, methods=["GET"]),
+            Route("/api/v1/chat", lmstudio_chat.chat, methods=["POST"]),
+            *lmstudio.ROUTES,
+        ],
+        lifespan=lifespan,
+        exception_handlers={
+            HTTPException: on_http_error,
+            SluiceError: on_sluice_error,
+            Exception: on_unexpected,
+        },
+    )
+    keys = ApiKeys.from_settings(settings)
+    log.info(names_line(keys.names))
+    if keys:
+        return BearerAuth(app, keys)  # type: ignore[return-value]
+    return app

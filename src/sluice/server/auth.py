@@ -1,0 +1,302 @@
+"""API keys: several named keys, checked in constant time on every route but ``/health``.
+
+Sources, merged (a name or a key given twice, in one source or across them, is an error):
+
+* ``--api-key`` / ``SLUICE_API_KEY``: one key, named ``default``;
+* ``SLUICE_API_KEYS="alice:sk-alice-1,bob:sk-bob-22"``: ``name:key`` pairs;
+* the config file's ``[keys]`` table (``--config``)::
+
+    [keys]
+    alice = "sk-alice-1"              # the key itself
+    bob = { env = "BOB_KEY" }         # read from this environment variable
+
+Rules: a name is 1-64 of ``A-Z a-z 0-9 _ . -`` (it becomes a log word and a
+metric label); a key is at least :data:`MIN_KEY_LENGTH` printable ASCII
+characters without spaces (what an ``Authorization`` header can carry). The
+old single ``--api-key`` keeps accepting shorter keys, with a warning, so
+existing setups still start. Error messages name the source and the key's
+name, never the key.
+
+Example::
+
+    keys = ApiKeys.from_settings(settings)
+    keys.lookup("sk-alice-1")     # "alice"; None for an unknown token
+    app = BearerAuth(starlette_app, keys)
+    ...
+    async def route(raw_request: Request) -> Response:
+        owner = key_name(raw_request)   # "alice"; "" when the server has no keys
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.types import Receive, Scope, Send
+
+from sluice.config import Settings
+from sluice.config.file import ConfigError, describe_value, read_toml
+from sluice.core.errors import AuthenticationFailed
+from sluice.server.sse import error_response
+
+log = logging.getLogger("sluice.api")
+
+DEFAULT_NAME = "default"  # the name of --api-key / SLUICE_API_KEY
+MIN_KEY_LENGTH = 8
+STATE_KEY = "sluice_key"  # request.state.sluice_key: the name of the caller's key
+ENV_KEYS = "SLUICE_API_KEYS"
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_KEY = re.compile(r"[\x21-\x7e]+")  # printable ASCII, no spaces: a header's token
+
+
+class ApiKeys:
+    """The server's keys by name, looked up in constant time.
+
+    Only a SHA-256 digest of each key is kept: every comparison is then
+    between two 32-byte strings, so its time says nothing about a key's length.
+
+    Example::
+
+        keys = ApiKeys({"alice": "sk-alice-1"})
+        keys.lookup("sk-alice-1")    # "alice"
+        keys.lookup("nope")          # None
+        bool(ApiKeys({}))            # False: the server is open
+    """
+
+    def __init__(self, keys: Mapping[str, str], *, source: str = "keys") -> None:
+        self._entries = _checked((source, name, key, MIN_KEY_LENGTH) for name, key in keys.items())
+
+    @classmethod
+    def from_settings(cls, settings: Settings, env: Mapping[str, str] | None = None) -> ApiKeys:
+        """Every source merged: ``--api-key``, ``SLUICE_API_KEYS``, the config's ``[keys]``.
+
+        ``env`` (default ``os.environ``) is where ``{ env = "VAR" }`` entries are read.
+        Anything wrong is a :class:`ConfigError` naming the source and the key's name.
+        """
+        env = os.environ if env is None else env
+        found: list[tuple[str, str, str, int]] = []  # (source, name, key, minimum length)
+        if settings.api_key:
+            # --api-key predates the length rule: a short one still starts, with a warning.
+            if len(settings.api_key) < MIN_KEY_LENGTH:
+                log.warning("--api-key is shorter than %d characters", MIN_KEY_LENGTH)
+            found.append(("--api-key/SLUICE_API_KEY", DEFAULT_NAME, settings.api_key, 1))
+        if settings.api_keys:
+            parsed = parse_env_keys(settings.api_keys)
+            found += [(ENV_KEYS, n, k, MIN_KEY_LENGTH) for n, k in parsed.items()]
+        if settings.config:
+            file = Path(settings.config).expanduser()
+            table = config_keys(file, read_toml(file).get("keys"), env)
+            found += [(f"{file} [keys]", n, k, MIN_KEY_LENGTH) for n, k in table.items()]
+        keys = cls({})
+        keys._entries = _checked(found)
+        return keys
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self._entries)
+
+    def lookup(self, token: str) -> str | None:
+        """The name of the key ``token`` is, or ``None``.
+
+        Every key is compared, with no early exit, so the time taken depends
+        on neither which key matched nor how much of one did.
+        """
+        # surrogatepass: never raises, and a lone surrogate cannot turn into an ASCII byte.
+        digest = hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
+        found: str | None = None
+        for name, expected in self._entries:
+            if hmac.compare_digest(digest, expected):
+                found = name
+        return found
+
+    def __bool__(self) -> bool:
+        return bool(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __repr__(self) -> str:
+        return f"ApiKeys({', '.join(self.names)})"  # names only: a repr ends up in logs
+
+
+def parse_env_keys(raw: str) -> dict[str, str]:
+    """``"alice:sk-1...,bob:sk-2..."`` -> ``{"alice": ..., "bob": ...}``.
+
+    Spaces around entries and empty entries (a trailing comma) are ignored; a
+    key may contain ``:`` (the name cannot) but not ``,``.
+    """
+    keys: dict[str, str] = {}
+    for i, entry in enumerate(e.strip() for e in raw.split(",")):
+        if not entry:
+            continue
+        name, sep, key = entry.partition(":")
+        if not sep:
+            # Without a ':' the entry may be a bare key: never echo it.
+            raise ConfigError(f"{ENV_KEYS}: entry {i + 1} is not 'name:key'")
+        name, key = name.strip(), key.strip()
+        _check_name(ENV_KEYS, name)
+        if name in keys:
+            raise ConfigError(f"{ENV_KEYS}: key name {name!r} is given twice")
+        _check_key(ENV_KEYS, name, key)
+        keys[name] = key
+    return keys
+
+
+def config_keys(file: Path, table: Any, env: Mapping[str, str]) -> dict[str, str]:
+    """The config file's ``[keys]`` table: ``name = "key"`` or ``name = { env = "VAR" }``."""
+    if table is None:
+        return {}
+    if not isinstance(table, dict):
+        raise ConfigError(f"{file}: 'keys' must be a table ([keys]), not {_kind(table)}")
+    source = f"{file} [keys]"
+    keys: dict[str, str] = {}
+    for name, value in table.items():
+        _check_name(source, name)
+        if isinstance(value, dict):
+            if set(value) != {"env"} or not isinstance(value["env"], str) or not value["env"]:
+                raise ConfigError(f'{source}: {name!r} must be a string or {{ env = "VARIABLE" }}')
+            var = value["env"]
+            key = env.get(var)
+            if not key:
+                missing = "is not set" if key is None else "is empty"
+                raise ConfigError(f"{source}: {name!r} reads ${var}, which {missing}")
+            _check_key(f"{source} ({name!r} from ${var})", name, key)
+        elif isinstance(value, str):
+            key = value
+            _check_key(source, name, key)
+        else:
+            raise ConfigError(
+                f'{source}: {name!r} must be a string or {{ env = "VARIABLE" }}, not {_kind(value)}'
+            )
+        keys[name] = key
+    return keys
+
+
+def key_name(raw_request: Request) -> str:
+    """The name of the key the request came with; ``""`` when the server has no keys."""
+    return str(raw_request.scope.get("state", {}).get(STATE_KEY, ""))
+
+
+def names_line(names: Iterable[str]) -> str:
+    """The startup log's words for the keys: names only, never the keys."""
+    listed = ", ".join(names)
+    return f"API keys: {listed}" if listed else "API keys: none (every route is open)"
+
+
+class BearerAuth:
+    """Requires ``Authorization: Bearer <key>`` on every route but ``/health``.
+
+    Unknown routes answer 401 as well, so nobody learns which routes exist
+    without a key. The key's name goes into the ASGI scope's state
+    (``request.state.sluice_key``, read it with :func:`key_name`) and is
+    counted in ``sluice_requests_by_key_total``. Other attributes (``routes``,
+    ``state``, ...) are the wrapped app's.
+
+    Example::
+
+        app = BearerAuth(Starlette(routes=[...]), ApiKeys.from_settings(settings))
+        app.app.routes      # the wrapped app's routes
+    """
+
+    def __init__(self, app: Starlette, keys: ApiKeys) -> None:
+        self.app = app
+        self.keys = keys
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.app, name)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket") and scope["path"] != "/health":
+            name = self._authenticate(scope)
+            if name is None:
+                await self._refuse(scope, receive, send)
+                return
+            scope.setdefault("state", {})[STATE_KEY] = name
+            # The metrics live in the state the lifespan builds; before it there is none.
+            metrics = getattr(getattr(self.app.state, "sluice", None), "metrics", None)
+            if metrics is not None:
+                metrics.count_key(name)
+        await self.app(scope, receive, send)
+
+    def _authenticate(self, scope: Scope) -> str | None:
+        auth = b""
+        for header, value in scope["headers"]:
+            if header == b"authorization":
+                auth = value  # the last one wins, as with dict(headers)
+        scheme, _, token = auth.decode("latin-1").partition(" ")
+        if scheme.lower() != "bearer":
+            return None
+        return self.keys.lookup(token.strip())
+
+    @staticmethod
+    async def _refuse(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            # A close before the accept: the server answers the handshake with a 403.
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        resp = error_response(
+            AuthenticationFailed("Missing or invalid API key (Authorization: Bearer ...).")
+        )
+        resp.headers["WWW-Authenticate"] = "Bearer"
+        await resp(scope, receive, send)
+
+
+def _checked(
+    found: Iterable[tuple[str, str, str, int]],
+) -> tuple[tuple[str, bytes], ...]:
+    """(name, digest) per key, once every name and key is checked and known unique."""
+    names: dict[str, str] = {}  # name -> its source
+    owners: dict[bytes, tuple[str, str]] = {}  # digest -> (name, source)
+    for source, name, key, minimum in found:
+        _check_name(source, name)
+        _check_key(source, name, key, minimum)
+        if name in names:
+            raise ConfigError(f"{source}: key name {name!r} is also given in {names[name]}")
+        names[name] = source
+        digest = _digest(key)
+        if digest in owners:
+            first, where = owners[digest]
+            raise ConfigError(
+                f"{source}: key {name!r} is the same key as {first!r} ({where}); "
+                "each caller needs its own key"
+            )
+        owners[digest] = (name, source)
+    return tuple((name, digest) for digest, (name, _) in owners.items())
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8")).digest()
+
+
+def _check_name(source: str, name: Any) -> None:
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ConfigError(
+            f"{source}: key name {name!r} must be 1-64 characters of A-Z a-z 0-9 _ . -"
+        )
+
+
+def _check_key(source: str, name: str, key: Any, minimum: int = MIN_KEY_LENGTH) -> None:
+    # The messages name the key, never show it: they end up in logs and terminals.
+    if not isinstance(key, str) or not key:
+        raise ConfigError(f"{source}: key {name!r} is empty")
+    if not _KEY.fullmatch(key):
+        raise ConfigError(
+            f"{source}: key {name!r} must be printable ASCII without spaces "
+            "(what an Authorization header carries)"
+        )
+    if len(key) < minimum:
+        raise ConfigError(
+            f"{source}: key {name!r} is shorter than {minimum} characters (easy to guess)"
+        )
+
+
+def _kind(value: Any) -> str:
+    return describe_value(value).split(" (")[0]  # the type's words, not the value

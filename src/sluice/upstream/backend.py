@@ -1,0 +1,314 @@
+"""Upstream models: an OpenAI-compatible server's model as a sluice backend.
+
+Two ways through, both measured by the slot's metrics on the streaming path:
+
+* :meth:`UpstreamModel.passthrough`: an OpenAI request to an OpenAI upstream
+  (spec 003). The body goes up with only ``model`` rewritten; the answer's
+  bytes come back unchanged, whole SSE events at a time, while an
+  incremental decoder taps them for the metrics without re-encoding.
+* :meth:`UpstreamModel.open`: the backend protocol every other dialect uses.
+  The request is encoded as an OpenAI body and the upstream's SSE is decoded
+  into sluice's events (``upstream_codec.py``).
+
+Example::
+
+    slot = UpstreamSlot(spec, UpstreamPool(spec), metrics.slot(spec.name, "upstream"))
+    await slot.start()
+    model = slot.model("qwen")                 # an alias or an upstream model name
+    stream = await model.open(request)         # or: await model.passthrough(path, raw, ...)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from sluice.core.backend import StreamMeta
+from sluice.core.errors import SluiceError, UpstreamFailed, UpstreamMalformed
+from sluice.core.events import ErrorEvent, Event
+from sluice.core.request import GenerationRequest
+from sluice.metrics import OpenAIChunkTap, SlotMetrics
+from sluice.upstream.codec import (
+    ChunkDecoder,
+    error_from_response,
+    stream_meta,
+    upstream_body,
+)
+from sluice.upstream.config import UpstreamSpec
+from sluice.upstream.pool import UpstreamPool, UpstreamResponse
+from sluice.upstream.sse import SSEDecoder
+
+log = logging.getLogger("sluice.router")
+
+# Upstream response headers a client may need; hop-by-hop and framing headers are the
+# ASGI server's to set.
+_FORWARDED = frozenset({"content-type", "cache-control", "retry-after", "x-request-id"})
+
+
+def slot_header(slot: str, replica: str | None) -> str:
+    """The ``x-sluice-slot`` value: which slot answered, and for an upstream, which replica."""
+    return slot if replica is None else f"{slot}; replica={replica}"
+
+
+class UpstreamSlot:
+    """One ``[[upstreams]]`` entry: its replicas, the models it serves, its metrics."""
+
+    def __init__(self, spec: UpstreamSpec, pool: UpstreamPool, metrics: SlotMetrics) -> None:
+        self.spec = spec
+        self.pool = pool
+        self.metrics = metrics
+        self._aliases = {alias.lower(): model for alias, model in spec.aliases.items()}
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    async def start(self) -> None:
+        await self.pool.start()
+
+    async def close(self) -> None:
+        await self.pool.close()
+
+    def models(self) -> tuple[str, ...]:
+        """The upstream's model names: configured, else what its replicas list."""
+        return self.pool.models()
+
+    def aliases_of(self, model: str) -> list[str]:
+        return [a for a, m in self.spec.aliases.items() if m.lower() == model.lower()]
+
+    def lookup(self, name: str) -> str | None:
+        """The upstream model name for ``name`` (an alias or a model name, any case)."""
+        key = name.lower()
+        target = self._aliases.get(key)
+        if target is not None:
+            return target
+        for model in self.models():
+            if model.lower() == key:
+                return model
+        return None
+
+    def entry(self, model: str) -> dict[str, Any]:
+        """The upstream's ``/v1/models`` entry for ``model``: by id, else by one of the
+        ``aliases`` an entry lists (sluice's own entries do)."""
+        entries = self.pool.model_entries()
+        entry = entries.get(model)
+        if entry is not None:
+            return entry
+        key = model.lower()
+        for candidate in entries.values():
+            aliases = candidate.get("aliases")
+            if isinstance(aliases, list) and key in (str(a).lower() for a in aliases):
+                return candidate
+        return {}
+
+    def model(self, upstream_model: str) -> UpstreamModel:
+        return UpstreamModel(self, upstream_model)
+
+
+class UpstreamModel:
+    """One model of an upstream slot: a backend, and the OpenAI passthrough."""
+
+    def __init__(self, slot: UpstreamSlot, name: str) -> None:
+        self.slot = slot
+        self.name = name  # the upstream's own name for it
+
+    async def open(self, request: GenerationRequest) -> UpstreamStream:
+        path, body = upstream_body(request, self.name)
+        raw = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+        response = await self.slot.pool.send(path, raw, {"accept": "text/event-stream"})
+        try:
+            if response.status != 200:
+                content = await response.aread()
+                raise error_from_response(response.status, content, response.headers)
+        except BaseException:
+            await response.aclose()
+            raise
+        meta = stream_meta(request, self.name, slot=self.slot.name, replica=response.replica)
+        return UpstreamStream(meta, response, ChunkDecoder(chat=request.is_chat))
+
+    async def passthrough(
+        self, path: str, body: bytes, headers: Mapping[str, str] | None = None
+    ) -> Passthrough:
+        """Send an OpenAI body (``model`` already the upstream's name) and hand back
+        the answer to forward unchanged. Errors before the first byte are raised."""
+        meter = self.slot.metrics.request()
+        try:
+            response = await self.slot.pool.send(path, body, headers)
+        except SluiceError:
+            meter.finish(error=True)
+            raise
+        return Passthrough(response, OpenAIChunkTap(meter), self.slot.name)
+
+
+class UpstreamStream:
+    """The upstream's SSE as sluice events (the backend protocol's ``ResponseStream``)."""
+
+    def __init__(self, meta: StreamMeta, response: UpstreamResponse, decoder: ChunkDecoder) -> None:
+        self.meta = meta
+        self._response = response
+        self._decoder = decoder
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[Event]:
+        sse = SSEDecoder()
+        try:
+            async for chunk in self._response.aiter_raw():
+                for message in sse.feed(chunk):
+                    if message.data == "[DONE]":
+                        for event in self._decoder.end():
+                            yield event
+                        return
+                    if not message.data:
+                        continue  # a comment (": ping") or an empty event
+                    try:
+                        data = json.loads(message.data)
+                    except ValueError:
+                        data = None
+                    if not isinstance(data, dict):
+                        yield ErrorEvent(_malformed(message.data))
+                        return
+                    for event in self._decoder.feed(data):
+                        yield event
+                        if isinstance(event, ErrorEvent):
+                            return
+        except SluiceError as exc:
+            yield ErrorEvent(exc)
+            return
+        if sse.pending():
+            yield ErrorEvent(
+                UpstreamFailed("The upstream cut the stream in the middle of an event.")
+            )
+            return
+        for event in self._decoder.end():  # a clean end without [DONE] (spec 001 allows it)
+            yield event
+
+    async def aclose(self) -> None:
+        await self._response.aclose()
+
+
+def _malformed(data: str) -> UpstreamMalformed:
+    shown = data if len(data) <= 80 else data[:77] + "..."
+    return UpstreamMalformed(f"The upstream sent an event that is not an OpenAI chunk: {shown!r}")
+
+
+@dataclass(slots=True)
+class Passthrough:
+    """An upstream's answer being forwarded unchanged, tapped for the slot's metrics.
+
+    ``status``/``headers`` go out as they came (plus the slot header); then
+    :meth:`stream` (a 200 SSE answer) or :meth:`read` (anything else). A
+    failure after the first byte is raised from :meth:`stream` once every
+    whole event before it has been yielded: the caller ends the stream with
+    its dialect's error frame.
+    """
+
+    response: UpstreamResponse
+    tap: OpenAIChunkTap
+    slot: str
+    _done: bool = field(default=False, init=False)
+
+    @property
+    def status(self) -> int:
+        return self.response.status
+
+    @property
+    def streaming(self) -> bool:
+        content_type = self.response.headers.get("content-type", "")
+        return self.response.status == 200 and content_type.startswith("text/event-stream")
+
+    def headers(self) -> dict[str, str]:
+        out = {k: v for k, v in self.response.headers.items() if k.lower() in _FORWARDED}
+        out["x-sluice-slot"] = slot_header(self.slot, self.response.replica)
+        return out
+
+    async def read(self) -> bytes:
+        """The whole (non-streaming) body, unchanged."""
+        try:
+            body = await self.response.aread()
+        except SluiceError:
+            self._finish(error=True)
+            raise
+        if self.response.status == 200:
+            data = _json_object(body)
+            if data is not None:
+                self.tap.body(data)
+        self._finish(error=self.response.status >= 500)
+        return body
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        """Whole SSE events, byte for byte, as they arrive."""
+        sse = SSEDecoder()
+        finished = False  # [DONE] or a finish_reason seen: a clean end is then complete
+        try:
+            async for chunk in self.response.aiter_raw():
+                out: list[bytes] = []
+                for message in sse.feed(chunk):
+                    data = message.data
+                    if data == "[DONE]":
+                        finished = True
+                    elif data:
+                        parsed = _json_object(data)
+                        if parsed is None:
+                            if out:
+                                yield b"".join(out)
+                            raise _malformed(data)
+                        self.tap.chunk(parsed)
+                        finished = finished or _has_finish(parsed)
+                    out.append(message.raw)
+                if out:
+                    yield b"".join(out)
+            if sse.pending() or not finished:
+                raise UpstreamFailed("The upstream ended the stream before finishing it.")
+        except SluiceError:
+            self._finish(error=True)
+            raise
+        self._finish(error=False)
+
+    def _finish(self, *, error: bool) -> None:
+        if not self._done:
+            self._done = True
+            self.tap.finish(error=error)
+
+    async def aclose(self) -> None:
+        """Close the upstream request (at once, if the client went away first)."""
+        self._finish(error=False)
+        await self.response.aclose()
+
+
+def _json_object(data: str | bytes) -> dict[str, Any] | None:
+    try:
+        parsed = json.loads(data)
+    except ValueError:
+        return None
+    return parsed if isinstance(parsed, dict) else None
+
+
+def _has_finish(chunk: dict[str, Any]) -> bool:
+    choices = chunk.get("choices")
+    if not isinstance(choices, list):
+        return "error" in chunk
+    return any(isinstance(c, dict) and c.get("finish_reason") for c in choices)
+
+
+def upstream_context(entry: dict[str, Any]) -> int | None:
+    """An upstream ``/v1/models`` entry's context window, where its server says it:
+    vLLM's ``max_model_len``, llama-server's and sluice's ``meta``, LM Studio's
+    ``max_context_length``."""
+    meta = entry.get("meta")
+    if not isinstance(meta, dict):
+        meta = {}
+    for value in (
+        entry.get("max_model_len"),
+        entry.get("context_length"),
+        entry.get("max_context_length"),
+        meta.get("n_ctx"),
+        meta.get("n_ctx_train"),
+    ):
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None

@@ -1,0 +1,545 @@
+"""The replicas of one upstream slot: choice, failover before the first byte, health checks.
+
+One :class:`UpstreamPool` per ``[[upstreams]]`` entry. :meth:`UpstreamPool.send`
+POSTs a body to the least busy replica not known to be down and fails over to
+the next one while nothing has been answered yet (a refused connection, a
+timeout, a 5xx other than 503). After the first byte a failure is the caller's
+to report (spec 002: an error frame or a 502): the pool only maps it to a typed
+error and has the replica checked at once.
+
+Each replica is checked in the background (``GET /v1/models``): every
+``health_interval`` seconds while healthy, with exponential backoff while down;
+a down replica that answers its check gets traffic again.
+
+httpx's exceptions become sluice's in one place, :func:`upstream_errors`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import random
+import time
+from collections.abc import AsyncIterator, Iterator, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Literal, Self
+
+import httpx
+
+from sluice.core.errors import UpstreamFailed, UpstreamTimeout, UpstreamUnavailable
+from sluice.upstream.config import UpstreamSpec
+
+log = logging.getLogger("sluice.router")
+
+# Backoff of a down replica's checks: BACKOFF_MIN doubling per consecutive failure up to
+# BACKOFF_MAX, jittered so that replicas (and gateways) that failed together do not
+# check in lockstep.
+BACKOFF_MIN = 0.5
+BACKOFF_MAX = 30.0
+_JITTER = 0.2
+
+State = Literal["unknown", "healthy", "down"]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaStatus:
+    """A snapshot of one replica, for ``/health``, ``/metrics`` and logs.
+
+    Example::
+
+        ReplicaStatus(url="http://10.0.0.5:8000", state="healthy", outstanding=2,
+                      failures=0, last_error=None, next_check_in=9.5, models=("qwen",))
+    """
+
+    url: str
+    state: State
+    outstanding: int  # requests sent to it and not yet closed
+    failures: int  # consecutive failures (0 when healthy)
+    last_error: str | None
+    next_check_in: float | None  # seconds until its next health check (None: none planned)
+    models: tuple[str, ...]  # ids its last good /v1/models listed
+
+
+def describe(exc: httpx.TransportError, spec: UpstreamSpec) -> str:
+    """What a replica did, for a message: ``refused the connection``, ``sent nothing for 300 s``."""
+    detail = str(exc) or type(exc).__name__
+    if isinstance(exc, httpx.ConnectTimeout):
+        return f"did not accept the connection within {spec.connect_timeout:g} s"
+    if isinstance(exc, httpx.ReadTimeout):
+        return f"sent nothing for {spec.timeout:g} s"
+    if isinstance(exc, httpx.WriteTimeout):
+        return f"did not take the request within {spec.timeout:g} s"
+    if isinstance(exc, httpx.PoolTimeout):
+        return f"had no free connection within {spec.timeout:g} s"
+    if isinstance(exc, httpx.ConnectError):
+        cause: BaseException | None = exc
+        while cause is not None:  # httpx -> httpcore -> the OSError
+            if isinstance(cause, ConnectionRefusedError):
+                return "refused the connection"
+            cause = cause.__cause__ or cause.__context__
+        return f"could not be reached ({detail})"
+    if isinstance(exc, httpx.ReadError | httpx.WriteError):
+        return f"broke the connection ({detail})"
+    return f"failed ({detail})"
+
+
+@contextlib.contextmanager
+def upstream_errors(spec: UpstreamSpec, replica: str, doing: str = "") -> Iterator[None]:
+    """httpx's transport errors inside as :class:`UpstreamTimeout` / :class:`UpstreamFailed`.
+
+    Example::
+
+        with upstream_errors(spec, url, "dropped the stream: "):
+            chunk = await stream.__anext__()
+        # -> UpstreamFailed("upstream 'gpu-box': http://h:8000 dropped the stream: ...")
+    """
+    try:
+        yield
+    except httpx.TimeoutException as exc:
+        raise UpstreamTimeout(
+            f"upstream {spec.name!r}: {replica} {doing}{describe(exc, spec)}"
+        ) from exc
+    except httpx.TransportError as exc:
+        raise UpstreamFailed(
+            f"upstream {spec.name!r}: {replica} {doing}{describe(exc, spec)}"
+        ) from exc
+
+
+class _Replica:
+    """The mutable state of one replica (the pool's own; :class:`ReplicaStatus` is the view)."""
+
+    __slots__ = (
+        "entries",
+        "failures",
+        "last_error",
+        "models",
+        "next_check",
+        "outstanding",
+        "state",
+        "url",
+        "wake",
+    )
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.state: State = "unknown"
+        self.outstanding = 0
+        self.failures = 0
+        self.last_error: str | None = None
+        self.next_check: float | None = None  # time.monotonic() of its next check
+        self.models: tuple[str, ...] = ()
+        self.entries: dict[str, dict[str, Any]] = {}
+        # Set while its checker sleeps: resolving it makes the checker re-read next_check.
+        self.wake: asyncio.Future[None] | None = None
+
+    def wake_up(self) -> None:
+        if self.wake is not None and not self.wake.done():
+            self.wake.set_result(None)
+
+
+class UpstreamResponse:
+    """An upstream's answer whose headers arrived; the body is read as it comes.
+
+    Always closed (``aclose`` or ``async with``): closing before the end drops
+    the connection, so the upstream sees the request aborted. Errors while
+    reading are :class:`UpstreamFailed` / :class:`UpstreamTimeout`.
+
+    Example::
+
+        async with await pool.send("/chat/completions", body) as response:
+            async for chunk in response.aiter_raw():
+                forward(chunk)
+    """
+
+    def __init__(self, pool: UpstreamPool, replica: _Replica, response: httpx.Response) -> None:
+        self.status = response.status_code
+        self.headers = response.headers
+        self.replica = replica.url
+        self._pool = pool
+        self._replica = replica
+        self._response = response
+        self._closed = False
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        """The body's bytes as they arrive, undecoded; closes the response at its end."""
+        try:
+            with upstream_errors(self._pool.spec, self.replica, "dropped the stream: "):
+                async for chunk in self._response.aiter_raw():
+                    yield chunk
+        except (UpstreamFailed, httpx.StreamClosed):
+            if self._closed:
+                return  # the caller closed it meanwhile (a client disconnect): not a failure
+            self._pool._suspect(self._replica)
+            await self.aclose()
+            raise
+        await self.aclose()
+
+    async def aread(self) -> bytes:
+        """The whole body; closes the response."""
+        try:
+            with upstream_errors(self._pool.spec, self.replica, "dropped the stream: "):
+                return await self._response.aread()
+        except UpstreamFailed:
+            if not self._closed:
+                self._pool._suspect(self._replica)
+            raise
+        finally:
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close at once (idempotent); before the end this aborts the upstream request."""
+        if self._closed:
+            return
+        self._closed = True
+        self._replica.outstanding -= 1
+        await self._response.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+
+class UpstreamPool:
+    """The replicas of one upstream slot behind one keep-alive HTTP/1.1 client.
+
+    Example::
+
+        pool = UpstreamPool(spec)
+        await pool.start()  # checks every replica once: discovers its models
+        response = await pool.send("/chat/completions", body, {"accept": "text/event-stream"})
+        ...
+        await pool.close()
+    """
+
+    def __init__(
+        self, spec: UpstreamSpec, *, transport: httpx.AsyncBaseTransport | None = None
+    ) -> None:
+        self.spec = spec
+        self._replicas = [_Replica(url) for url in spec.urls]
+        self._rr = 0  # round-robin offset among equally busy replicas
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closed = False
+        if transport is None:
+            # Generous limits: a gateway holds one connection per streaming request.
+            transport = httpx.AsyncHTTPTransport(
+                limits=httpx.Limits(
+                    max_connections=4096, max_keepalive_connections=512, keepalive_expiry=30
+                ),
+                http1=True,
+                http2=False,
+            )
+        self._headers = {"content-type": "application/json", "accept-encoding": "identity"}
+        if spec.api_key:
+            self._headers["authorization"] = f"Bearer {spec.api_key}"
+        self._client = httpx.AsyncClient(
+            transport=transport,
+            timeout=httpx.Timeout(
+                connect=spec.connect_timeout,
+                read=spec.timeout,
+                write=spec.timeout,
+                pool=spec.timeout,
+            ),
+            # Upstreams are named by the config, not by HTTP(S)_PROXY in the environment.
+            trust_env=False,
+            follow_redirects=False,
+        )
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Check every replica now (discovers their models), then keep checking them."""
+        await asyncio.gather(*(self._check(r) for r in self._replicas))
+        self._ensure_checkers()
+
+    async def close(self) -> None:
+        """Stop the checks and close the client (and its connections)."""
+        self._closed = True
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for r in self._replicas:
+            r.next_check = None
+        await self._client.aclose()
+
+    def _ensure_checkers(self) -> None:
+        if self._tasks or self._closed:
+            return
+        self._tasks = [
+            asyncio.create_task(self._watch(r), name=f"sluice-upstream-{self.spec.name}-{r.url}")
+            for r in self._replicas
+        ]
+
+    # -- requests ----------------------------------------------------------------------
+
+    async def send(
+        self, path: str, body: bytes, headers: Mapping[str, str] | None = None
+    ) -> UpstreamResponse:
+        """POST ``body`` to ``<replica>/v1<path>``; the response once its headers arrived.
+
+        Fails over to the next usable replica on a connection failure, a timeout
+        or a 5xx other than 503; a 429/503 (busy) tries the next one too, and if
+        no replica did better the last busy answer is returned as it is.
+        Raises :class:`UpstreamUnavailable` if every replica is known down,
+        :class:`UpstreamFailed` / :class:`UpstreamTimeout` if each one tried failed.
+        """
+        self._ensure_checkers()
+        merged = dict(self._headers)
+        if headers:
+            merged.update({k.lower(): v for k, v in headers.items()})
+        tried: set[int] = set()
+        busy: UpstreamResponse | None = None
+        failure: UpstreamFailed | None = None
+        try:
+            while (index := self._pick(tried)) is not None:
+                tried.add(index)
+                replica = self._replicas[index]
+                request = self._client.build_request(
+                    "POST", f"{replica.url}/v1{path}", content=body, headers=merged
+                )
+                replica.outstanding += 1
+                try:
+                    with upstream_errors(self.spec, replica.url):
+                        response = await self._client.send(request, stream=True)
+                except UpstreamFailed as exc:
+                    replica.outstanding -= 1
+                    self._mark_down(replica, exc)
+                    failure = exc
+                    continue
+                except BaseException:  # cancelled: the request is not ours to count any more
+                    replica.outstanding -= 1
+                    raise
+                status = response.status_code
+                if status >= 500 and status != 503:
+                    replica.outstanding -= 1
+                    await response.aclose()
+                    failure = UpstreamFailed(
+                        f"upstream {self.spec.name!r}: {replica.url} answered {status}"
+                    )
+                    self._mark_down(replica, failure)
+                    continue
+                answer = UpstreamResponse(self, replica, response)
+                if status in (429, 503):
+                    # Busy, not down: another replica may have room; keep this answer in case
+                    # none does (its Retry-After is the caller's to pass on).
+                    if busy is not None:
+                        await busy.aclose()
+                    busy = answer
+                    continue
+                if busy is not None:
+                    await busy.aclose()
+                return answer
+        except BaseException:  # cancelled: a busy answer kept for later is nobody's now
+            if busy is not None:
+                await busy.aclose()
+            raise
+        if busy is not None:
+            return busy
+        if failure is not None:
+            raise failure
+        raise self._unavailable()
+
+    def _pick(self, tried: set[int]) -> int | None:
+        """The least busy replica not known down and not tried yet; ties in turn."""
+        n = len(self._replicas)
+        start = self._rr % n
+        self._rr += 1
+        best: int | None = None
+        for k in range(n):
+            i = (start + k) % n
+            r = self._replicas[i]
+            if i in tried or r.state == "down":
+                continue
+            if best is None or r.outstanding < self._replicas[best].outstanding:
+                best = i
+        return best
+
+    def _unavailable(self) -> UpstreamUnavailable:
+        now = time.monotonic()
+        checks = [r.next_check for r in self._replicas if r.next_check is not None]
+        wait = max(1, math.ceil(min(checks) - now)) if checks else 1
+        errors = "; ".join(f"{r.url} {r.last_error or 'is down'}" for r in self._replicas)
+        return UpstreamUnavailable(
+            f"upstream {self.spec.name!r}: every replica is down ({errors}); "
+            f"next check in {wait} s",
+            retry_after=wait,
+        )
+
+    # -- state -------------------------------------------------------------------------
+
+    def _detail(self, error: BaseException) -> str:
+        """An error's message without the slot's name (the replica's own record)."""
+        text = getattr(error, "message", None) or str(error)
+        return text.removeprefix(f"upstream {self.spec.name!r}: ")
+
+    def _mark_down(self, r: _Replica, error: BaseException) -> None:
+        r.last_error = self._detail(error)
+        if r.state == "down" and r.next_check is not None:
+            return  # already down: its backoff stands (many requests may fail at once)
+        r.failures += 1
+        was = r.state
+        r.state = "down"
+        delay = self._backoff(r.failures)
+        r.next_check = time.monotonic() + delay
+        r.wake_up()
+        if was != "down":
+            log.warning(
+                "upstream %r: replica %s is down: %s (next check in %.1f s)",
+                self.spec.name,
+                r.url,
+                r.last_error,
+                delay,
+            )
+
+    def _suspect(self, r: _Replica) -> None:
+        """A stream dropped: check the replica now rather than mark it down on one drop."""
+        r.next_check = time.monotonic()
+        r.wake_up()
+
+    @staticmethod
+    def _backoff(failures: int) -> float:
+        base = min(BACKOFF_MAX, BACKOFF_MIN * 2.0 ** min(failures - 1, 30))
+        return min(BACKOFF_MAX, base * random.uniform(1 - _JITTER, 1 + _JITTER))
+
+    # -- health checks -----------------------------------------------------------------
+
+    async def _watch(self, r: _Replica) -> None:
+        """One replica's checker: sleeps until its next check (or a wake-up), checks."""
+        while True:
+            try:
+                delay = (r.next_check or 0.0) - time.monotonic()
+                if delay > 0:
+                    # A future and a timer rather than wait_for(event.wait()): on Python
+                    # 3.11, wait_for can swallow a cancel (close() would hang) when the
+                    # event is set at the same moment.
+                    loop = asyncio.get_running_loop()
+                    r.wake = loop.create_future()
+                    timer = loop.call_later(delay, r.wake_up)
+                    try:
+                        await r.wake
+                    finally:
+                        timer.cancel()
+                        r.wake = None
+                    continue  # next_check may have moved: look again
+                await self._check(r)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug here must not end the checks of this replica
+                log.exception("upstream %r: health check of %s failed", self.spec.name, r.url)
+                await asyncio.sleep(BACKOFF_MAX)
+
+    async def _check(self, r: _Replica) -> None:
+        """``GET /v1/models``: healthy with its models, or down with a backoff."""
+        try:
+            with upstream_errors(self.spec, r.url):
+                response = await self._client.get(
+                    f"{r.url}/v1/models",
+                    headers={k: v for k, v in self._headers.items() if k != "content-type"},
+                    timeout=self.spec.connect_timeout,
+                )
+            entries = _model_entries(response)
+        except UpstreamFailed as exc:
+            self._check_failed(r, self._detail(exc))
+            return
+        except _BadListing as exc:
+            self._check_failed(r, str(exc))
+            return
+        was = r.state
+        r.state = "healthy"
+        r.failures = 0
+        r.last_error = None
+        r.entries = entries
+        r.models = tuple(entries)
+        r.next_check = time.monotonic() + self.spec.health_interval
+        if was == "down":
+            log.info("upstream %r: replica %s is back", self.spec.name, r.url)
+        elif was == "unknown":
+            log.info(
+                "upstream %r: replica %s is up (%d models)", self.spec.name, r.url, len(entries)
+            )
+
+    def _check_failed(self, r: _Replica, error: str) -> None:
+        was = r.state
+        r.state = "down"
+        r.failures += 1
+        r.last_error = error
+        delay = self._backoff(r.failures)
+        r.next_check = time.monotonic() + delay
+        if was != "down":
+            log.warning(
+                "upstream %r: replica %s is down: %s (next check in %.1f s)",
+                self.spec.name,
+                r.url,
+                error,
+                delay,
+            )
+
+    # -- views -------------------------------------------------------------------------
+
+    def models(self) -> tuple[str, ...]:
+        """The configured models, else every id the replicas' last good listings had."""
+        if self.spec.models:
+            return self.spec.models
+        return tuple(dict.fromkeys(m for r in self._replicas for m in r.models))
+
+    def model_entries(self) -> dict[str, dict[str, Any]]:
+        """The ``/v1/models`` entry per model id, from the first replica listing it."""
+        out: dict[str, dict[str, Any]] = {}
+        for r in self._replicas:
+            for model, entry in r.entries.items():
+                out.setdefault(model, entry)
+        return out
+
+    def status(self) -> list[ReplicaStatus]:
+        now = time.monotonic()
+        return [
+            ReplicaStatus(
+                url=r.url,
+                state=r.state,
+                outstanding=r.outstanding,
+                failures=r.failures,
+                last_error=r.last_error,
+                next_check_in=None if r.next_check is None else max(0.0, r.next_check - now),
+                models=r.models,
+            )
+            for r in self._replicas
+        ]
+
+    def state(self) -> Literal["unknown", "healthy", "degraded", "down"]:
+        """``healthy`` (all), ``degraded`` (some down), ``down`` (all), else ``unknown``."""
+        states = [r.state for r in self._replicas]
+        if all(s == "down" for s in states):
+            return "down"
+        if "down" in states:
+            return "degraded"
+        if all(s == "healthy" for s in states):
+            return "healthy"
+        return "unknown"
+
+
+class _BadListing(Exception):
+    """A health check's answer is not a ``/v1/models`` list."""
+
+
+def _model_entries(response: httpx.Response) -> dict[str, dict[str, Any]]:
+    """The entries of a ``/v1/models`` answer by id; :class:`_BadListing` if it is not one."""
+    if response.status_code != 200:
+        raise _BadListing(f"answered {response.status_code} to GET /v1/models")
+    try:
+        body = response.json()
+    except ValueError:
+        raise _BadListing("answered GET /v1/models with what is not JSON") from None
+    data = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(data, list):
+        raise _BadListing("answered GET /v1/models without a 'data' list")
+    return {e["id"]: e for e in data if isinstance(e, dict) and isinstance(e.get("id"), str)}
