@@ -1,4 +1,4 @@
-"""Server-side conversations (spec 002, ``/c1``): the client sends only the new message.
+"""Server-side conversations (the gateway's ``/c1``): the client sends only the new message.
 
 ``POST /c1/chat`` continues (``conversation_id``) or starts a conversation,
 answers in the OpenAI chat shape, streamed or not, and names the
@@ -38,11 +38,10 @@ from sluice.server.jsonbody import (
     paused_gc,
     validate_body,
 )
+from sluice.server.respond import respond
 from sluice.server.sse import (
-    SSEResponse,
     error_response,
     json_response,
-    run_until_disconnect,
     sse_stream,
     wants_sse,
 )
@@ -189,15 +188,6 @@ async def _answer(
         finally:
             lease.release()
 
-    if body.stream:
-        return SSEResponse(  # type: ignore[return-value]
-            sse_stream(recorder, ChatStreamFormatter(meta)),
-            on_close=close,
-            ping_interval=state.settings.ping_interval,
-            stall_timeout=state.settings.stall_timeout,
-            headers=headers,
-        )
-
     async def fold() -> dict[str, Any]:
         async for _ in recorder:
             pass
@@ -205,19 +195,18 @@ async def _answer(
             raise recorder.error
         return chat_completion_body(meta, recorder.result())
 
-    try:
-        result = await run_until_disconnect(request.receive, fold())
-    except SluiceError as exc:
-        await close()
-        response = error_response(exc)
-        response.headers["x-conversation-id"] = conversation.id
-        return response
-    await close()  # stored before the answer is sent: an acknowledged turn is durable
-    if result is None:
-        return Response(status_code=499)
-    response = json_response(result)
-    response.headers.update(headers)
-    return response
+    # Not streamed: the turn is stored before the answer is sent (close runs first), so
+    # an acknowledged turn is durable.
+    return await respond(
+        request,
+        state.settings,
+        stream=body.stream,
+        frames=lambda: sse_stream(recorder, ChatStreamFormatter(meta)),
+        fold=fold,
+        close=close,
+        headers=lambda: headers,
+        error_headers={"x-conversation-id": conversation.id},
+    )
 
 
 # -- the conversations ------------------------------------------------------------------

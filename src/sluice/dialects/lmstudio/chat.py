@@ -1,4 +1,4 @@
-"""LM Studio's native chat (spec 004): ``POST /api/v1/chat``, streamed as named events or not.
+"""LM Studio's native chat: ``POST /api/v1/chat``, streamed as named events or not.
 
 Order of a request:
 
@@ -62,7 +62,8 @@ from sluice.models.registry import LoadOptions
 from sluice.server.auth import key_name
 from sluice.server.body import read_request_body
 from sluice.server.jsonbody import parse_json_body
-from sluice.server.sse import SSEResponse, encode, json_response, run_until_disconnect
+from sluice.server.respond import respond
+from sluice.server.sse import encode
 from sluice.server.state import ServerState, server_state
 from sluice.store import Message, NewMessage
 from sluice.store.recorder import history_messages
@@ -179,25 +180,16 @@ async def chat(request: Request) -> Response:
         return Response(status_code=499)
     prepared = await _prepare(request, state, raw)
     run = _Run(state, prepared)
-    if prepared.body.stream:
-        return SSEResponse(  # type: ignore[return-value]
-            run.frames(),
-            on_close=run.close,
-            ping_interval=state.settings.ping_interval,
-            stall_timeout=state.settings.stall_timeout,
-        )
-    try:
-        result = await run_until_disconnect(request.receive, run.fold())
-    finally:
-        await run.close()
-    if result is None:
-        return Response(status_code=499)
-    if isinstance(result, SluiceError):
-        return _lms_error_response(result)
-    response = json_response(result)
-    if run.slot:
-        response.headers["x-sluice-slot"] = run.slot
-    return response
+    return await respond(
+        request,
+        state.settings,
+        stream=prepared.body.stream,
+        frames=run.frames,
+        fold=run.fold,
+        close=run.close,
+        headers=lambda: {"x-sluice-slot": run.slot} if run.slot else {},
+        render_error=_lms_error_response,
+    )
 
 
 def _release_if_acquired(task: asyncio.Future[SlotLease]) -> None:

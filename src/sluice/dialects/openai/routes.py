@@ -34,6 +34,7 @@ from sluice.server.jsonbody import (
     paused_gc,
     validate_body,
 )
+from sluice.server.respond import respond
 from sluice.server.sse import (
     SSEResponse,
     error_frame,
@@ -138,7 +139,7 @@ async def _complete(
     if parsed.body is None or parsed.request is None:
         assert parsed.error is not None
         # A streaming call that asked for SSE gets its validation error as one
-        # error frame too (spec 000: no role frame, the validation message).
+        # error frame too (llama.cpp's server does so: no role frame, the validation message).
         return error_response(parsed.error, sse=parsed.stream and wants_sse(request))
     body, neutral = parsed.body, parsed.request
     chat = isinstance(body, ChatCompletionRequest)
@@ -164,16 +165,6 @@ async def _complete(
         finally:
             lease.release()
 
-    if body.stream:
-        formatter = ChatStreamFormatter(meta) if chat else TextStreamFormatter(meta)
-        return SSEResponse(  # type: ignore[return-value]
-            sse_stream(stream, formatter),
-            on_close=close,
-            ping_interval=state.settings.ping_interval,
-            stall_timeout=state.settings.stall_timeout,
-            headers=headers,
-        )
-
     async def fold() -> dict[str, Any]:
         acc = Fold(stream.meta.prompt_owners)
         async for event in stream:
@@ -181,21 +172,22 @@ async def _complete(
         render = chat_completion_body if chat else text_completion_body
         return render(meta, acc.result())
 
-    try:
-        result = await run_until_disconnect(request.receive, fold())
-    finally:
-        await close()
-    if result is None:  # the client went away; nobody reads this
-        return Response(status_code=499)
-    response = json_response(result)
-    response.headers.update(headers)
-    return response
+    formatter = ChatStreamFormatter(meta) if chat else TextStreamFormatter(meta)
+    return await respond(
+        request,
+        state.settings,
+        stream=body.stream,
+        frames=lambda: sse_stream(stream, formatter),
+        fold=fold,
+        close=close,
+        headers=lambda: headers,
+    )
 
 
 async def _passthrough(
     request: Request, parsed: _Parsed, target: UpstreamTarget, path: str
 ) -> Response:
-    """An OpenAI request to an upstream model: its answer's bytes, unchanged (spec 003)."""
+    """An OpenAI request to an upstream model: its answer's bytes, unchanged."""
     state = server_state(request)
     accept = request.headers.get("accept")
     try:
