@@ -113,7 +113,7 @@ class Metrics:
         )
 
     def count_key(self, name: str) -> None:
-        """One request authenticated with the key named ``name`` (api/keys.py)."""
+        """One request authenticated with the key named ``name`` (server/auth.py)."""
         self._by_key.labels(key=name).inc()
 
     def slot(self, name: str, kind: SlotKind) -> SlotMetrics:

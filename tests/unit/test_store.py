@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import signal
 import sqlite3
@@ -434,3 +435,15 @@ async def test_sigkill_loses_no_acknowledged_write(tmp_path: Path, kill_after: i
         assert [m for m in message_ids if m not in stored_ids] == []
         assert conv.message_count == len(stored)
         assert conv.head_id == (stored[-1].id if stored else None)
+
+
+async def test_the_migration_log_names_the_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "named.db"
+    with caplog.at_level(logging.INFO, logger="sluice.store"):
+        async with await SQLiteStore.open(path):
+            pass
+    lines = [r.getMessage() for r in caplog.records if "migrated" in r.getMessage()]
+    assert lines and all(str(path) in line for line in lines), lines
+    assert not any("Connection" in line for line in lines), lines

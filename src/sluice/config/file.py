@@ -3,16 +3,24 @@
 Each top-level table belongs to one package: ``[[models]]`` to the model catalog,
 ``[[upstreams]]`` to the upstream backend, ``[keys]`` to the server's auth.
 
+The file is read once, when the app is made; each package is handed its table.
+
 Example::
 
-    data = read_toml(Path("sluice.toml"))   # ConfigError if missing or not TOML
+    config = ConfigFile.read("sluice.toml")   # ConfigError if missing, not TOML, or unknown
+    config.table("models")                    # the [[models]] array, or None
 """
 
 from __future__ import annotations
 
+import os
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+# The top-level tables and who reads them; "server" is kept for server options.
+TABLES = ("models", "upstreams", "keys", "server")
 
 
 class ConfigError(ValueError):
@@ -35,3 +43,28 @@ def describe_value(value: Any) -> str:
     kinds = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
     kinds |= {list: "a list", dict: "a table"}
     return f"{kinds.get(type(value), type(value).__name__)} ({value!r})"
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigFile:
+    """The config file's top-level tables, read and checked once."""
+
+    path: Path
+    tables: dict[str, Any]
+
+    @classmethod
+    def read(cls, path: str | os.PathLike[str]) -> ConfigFile:
+        """Read ``path``; a :class:`ConfigError` names it if it is missing, not TOML, or
+        has a top-level key no package reads."""
+        file = Path(path).expanduser()
+        data = read_toml(file)
+        unknown = sorted(set(data) - set(TABLES))
+        if unknown:
+            raise ConfigError(
+                f"{file}: unknown top-level key '{unknown[0]}' (known: {', '.join(sorted(TABLES))})"
+            )
+        return cls(file, data)
+
+    def table(self, name: str) -> Any:
+        """The value of top-level key ``name``, or None when the file has none."""
+        return self.tables.get(name)

@@ -149,7 +149,7 @@ class InternalError(SluiceError):
 
 class UpstreamFailed(SluiceError):
     """An upstream server failed: refused the connection, reset it, answered 5xx,
-    dropped a stream, or sent what is not OpenAI SSE (502, spec 002)."""
+    dropped a stream, or sent what is not OpenAI SSE (502, as the gateway API says)."""
 
 
 class UpstreamTimeout(UpstreamFailed):
@@ -259,7 +259,7 @@ _TABLE: dict[type[SluiceError], ErrorSpec] = {
 }
 
 
-# LM Studio's error ``type`` (spec 004) per class, found the same way; the status is
+# LM Studio's error ``type`` per class, found the same way; the status is
 # the table's above.
 _LMSTUDIO_TYPES: dict[type[SluiceError], str] = {
     SluiceError: "internal_error",
@@ -326,8 +326,8 @@ def error_body(error: SluiceError) -> dict[str, Any]:
 def error_frame_payload(error: SluiceError) -> dict[str, Any]:
     """The JSON of an in-stream ``event: error`` frame.
 
-    Carries both shapes at once: top-level ``message``/``type`` (spec 000)
-    and an ``error`` object (spec 001 and the official SDKs).
+    Carries both shapes at once: top-level ``message``/``type`` (llama.cpp's server)
+    and an ``error`` object (what the official SDKs look for).
     """
     body = error_body(error)
     inner = body["error"]

@@ -1,10 +1,8 @@
 """The closed set of typed events every backend emits and every formatter reads.
 
-This module is a leaf (it imports nothing of sluice) so that the engine, the
-router and the serving layer can all share it while imports still go one way
-(``api -> serving -> {engine, router, store}``). The design guide suggests
-``serving/events.py``; it lives one level up only so that backends can emit
-these types without importing the serving layer.
+It lives in ``core`` (which imports nothing else of sluice) so that the engine,
+the backends, the parsers and every dialect's formatter share it while imports
+still go one way.
 
 A response is a stream of these events, possibly for several choices
 (``choice`` is the OpenAI ``index``). Every formatter is a pure function of

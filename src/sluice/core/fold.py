@@ -1,7 +1,7 @@
 """Non-streaming responses: a fold over the same event stream into one neutral result.
 
 Each dialect renders the :class:`FoldResult` (OpenAI's bodies in
-``formatters/openai.py``); there is no second code path for non-streaming.
+``dialects/openai/format.py``); there is no second code path for non-streaming.
 
 Example::
 

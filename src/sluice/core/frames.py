@@ -1,4 +1,4 @@
-"""What every wire formatter produces: frames, encoded by ``api/sse.py``."""
+"""What every wire formatter produces: frames, encoded by ``server/sse.py``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``GET /v1/info``: the catalog of every model the server answers to (spec 002).
+"""``GET /v1/info``: the catalog of every model the server answers to (the gateway API's).
 
 Per model: its name and aliases, family, the backend (slot) serving it, its
 context window, modalities, capabilities, limits, status and the slot's live

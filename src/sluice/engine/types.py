@@ -1,7 +1,7 @@
 """Plain engine-side structs: what a request asks of the engine.
 
-These are dataclasses, not wire models: the serving layer converts a
-validated OpenAI request into an :class:`EngineRequest`.
+These are dataclasses, not wire models: the local backend turns a
+neutral request into an :class:`EngineRequest` (``local/completions.py``).
 """
 
 from __future__ import annotations

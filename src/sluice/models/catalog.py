@@ -32,8 +32,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from sluice.config import Settings
-from sluice.config.file import ConfigError, describe_value, read_toml
+from sluice.config import Settings, default_models_dir
+from sluice.config.file import ConfigError, ConfigFile, describe_value
 from sluice.core.errors import EngineFailure
 from sluice.core.model import ModelSpec
 from sluice.parsers.registry import TOOL_FORMATS
@@ -180,8 +180,6 @@ def _unique_names(root: Path, files: list[Path]) -> list[str]:
 
 # -- the config file --------------------------------------------------------------
 
-# Top-level tables later issues will read (remote servers, API keys, server options).
-_RESERVED_TABLES = frozenset({"upstreams", "keys", "server"})
 _INT_KEYS = {"ctx": 1, "parallel": 1, "threads": 0, "gpu_layers": -1}  # key: smallest value
 _ENTRY_KEYS = frozenset(
     {"name", "source", "aliases", "chat_template", "tool_format", "ttl", *_INT_KEYS}
@@ -205,15 +203,13 @@ def load_config(path: str | os.PathLike[str]) -> list[ModelSpec]:
         aliases = ["qwen2.5"]
         ctx = 8192
     """
-    file = Path(path).expanduser()
-    data = read_toml(file)
-    unknown = sorted(set(data) - _RESERVED_TABLES - {"models"})
-    if unknown:
-        raise ConfigError(
-            f"{file}: unknown top-level key '{unknown[0]}' "
-            f"(known: models, {', '.join(sorted(_RESERVED_TABLES))})"
-        )
-    entries = data.get("models", [])
+    return models_of(ConfigFile.read(path))
+
+
+def models_of(config: ConfigFile) -> list[ModelSpec]:
+    """The ``[[models]]`` entries of a config file already read (see :func:`load_config`)."""
+    file = config.path
+    entries = config.table("models") or []
     if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
         raise ConfigError(f"{file}: 'models' must be an array of tables ([[models]])")
     specs = [_entry(file, i, entry) for i, entry in enumerate(entries)]
@@ -330,7 +326,7 @@ def _check_unique_names(file: Path, specs: list[ModelSpec]) -> None:
 # -- all sources together -----------------------------------------------------------
 
 
-def discover(settings: Settings) -> list[ModelSpec]:
+def discover(settings: Settings, config: ConfigFile | None = None) -> list[ModelSpec]:
     """Every model the server knows, in precedence order resolved.
 
     Packaged, then the models folder, then the config file: a later source's
@@ -340,14 +336,14 @@ def discover(settings: Settings) -> list[ModelSpec]:
     aliases quietly give way (a file ``smollm2.gguf`` in the models folder is
     model ``smollm2``).
     """
-    from sluice.config import default_models_dir  # sluice.config imports this module
-
     by_name: dict[str, ModelSpec] = {}
     sources: list[Iterable[ModelSpec]] = [
         packaged_specs(),
         scan_models_dir(settings.models_dir or default_models_dir()),
     ]
-    if settings.config:
+    if config is not None:
+        sources.append(models_of(config))
+    elif settings.config:
         sources.append(load_config(settings.config))
     for source in sources:
         for spec in source:

@@ -1,7 +1,7 @@
 """The dispatcher: a model name or alias -> the slot that serves it.
 
 A slot is a local model (the registry loads it just in time) or an upstream
-server (``upstream.py``). Local names win over an upstream's: they are known
+server (``upstream/backend.py``). Local names win over an upstream's: they are known
 up front, where an upstream's are partly discovered from its ``/v1/models``
 (an upstream model shadowed so stays reachable through its aliases). A name
 nobody serves goes to the default local model unless names are strict.

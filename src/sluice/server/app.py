@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from sluice.config import Settings, default_store_path
+from sluice.config.file import ConfigFile
 from sluice.core.errors import (
     InternalError,
     InvalidRequest,
@@ -45,9 +46,13 @@ def create_app(
 ) -> Starlette:
     """The ASGI app. ``runner_factory`` lets tests put a scripted runner in the real engine."""
 
+    # The config file is read once, here; each package is handed its table.
+    config = ConfigFile.read(settings.config) if settings.config else None
+    keys = ApiKeys.from_settings(settings, config=config)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        state = build_state(settings, runner_factory)
+        state = build_state(settings, runner_factory, config, auth_required=bool(keys))
         registry = state.registry
         try:
             # The default model loads before the server takes requests, as it always did,
@@ -147,7 +152,6 @@ def create_app(
             Exception: on_unexpected,
         },
     )
-    keys = ApiKeys.from_settings(settings)
     log.info(names_line(keys.names))
     if keys:
         return BearerAuth(app, keys)  # type: ignore[return-value]

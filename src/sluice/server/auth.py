@@ -43,7 +43,7 @@ from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
 
 from sluice.config import Settings
-from sluice.config.file import ConfigError, describe_value, read_toml
+from sluice.config.file import ConfigError, ConfigFile, describe_value
 from sluice.core.errors import AuthenticationFailed
 from sluice.server.sse import error_response
 
@@ -75,10 +75,16 @@ class ApiKeys:
         self._entries = _checked((source, name, key, MIN_KEY_LENGTH) for name, key in keys.items())
 
     @classmethod
-    def from_settings(cls, settings: Settings, env: Mapping[str, str] | None = None) -> ApiKeys:
+    def from_settings(
+        cls,
+        settings: Settings,
+        env: Mapping[str, str] | None = None,
+        config: ConfigFile | None = None,
+    ) -> ApiKeys:
         """Every source merged: ``--api-key``, ``SLUICE_API_KEYS``, the config's ``[keys]``.
 
-        ``env`` (default ``os.environ``) is where ``{ env = "VAR" }`` entries are read.
+        ``env`` (default ``os.environ``) is where ``{ env = "VAR" }`` entries are read;
+        ``config``: the config file already read (else ``settings.config`` is read).
         Anything wrong is a :class:`ConfigError` naming the source and the key's name.
         """
         env = os.environ if env is None else env
@@ -91,9 +97,11 @@ class ApiKeys:
         if settings.api_keys:
             parsed = parse_env_keys(settings.api_keys)
             found += [(ENV_KEYS, n, k, MIN_KEY_LENGTH) for n, k in parsed.items()]
-        if settings.config:
-            file = Path(settings.config).expanduser()
-            table = config_keys(file, read_toml(file).get("keys"), env)
+        if config is None and settings.config:
+            config = ConfigFile.read(settings.config)
+        if config is not None:
+            file = config.path
+            table = config_keys(file, config.table("keys"), env)
             found += [(f"{file} [keys]", n, k, MIN_KEY_LENGTH) for n, k in table.items()]
         keys = cls({})
         keys._entries = _checked(found)

@@ -19,6 +19,7 @@ from pathlib import Path
 from starlette.requests import Request
 
 from sluice.config import Settings, default_models_dir
+from sluice.config.file import ConfigFile
 from sluice.engine.runner import ModelRunner
 from sluice.local.model import LocalModel, ModelSettings
 from sluice.local.offload import Offload
@@ -29,12 +30,11 @@ from sluice.models.dispatch import Dispatcher
 from sluice.models.downloads import DownloadManager
 from sluice.models.gguf import estimate_memory, read_gguf_info
 from sluice.models.registry import LoadOptions, ModelRegistry, Progress
-from sluice.server.auth import ApiKeys
 from sluice.server.jsonbody import BodyLimits
 from sluice.store import ConversationStore
 from sluice.tools.mcp import McpManager
 from sluice.upstream.backend import UpstreamSlot
-from sluice.upstream.config import load_upstreams
+from sluice.upstream.config import upstreams_of
 from sluice.upstream.pool import UpstreamPool
 
 
@@ -86,17 +86,21 @@ def memory_budget(settings: Settings) -> int:
 
 
 def build_state(
-    settings: Settings, runner_factory: Callable[[Settings], ModelRunner] | None = None
+    settings: Settings,
+    runner_factory: Callable[[Settings], ModelRunner] | None = None,
+    config: ConfigFile | None = None,
+    auth_required: bool = False,
 ) -> ServerState:
     """The server's state. ``runner_factory`` (tests): one model, ``settings.model``,
-    whose runner it makes (e.g. a scripted runner in the real engine)."""
+    whose runner it makes (e.g. a scripted runner in the real engine). ``config``: the
+    config file, read once by the app; each package gets its table."""
     offload = Offload(settings.prepare_workers)
     if runner_factory is None:
-        specs = catalog.discover(settings)
+        specs = catalog.discover(settings, config)
         default = catalog.default_spec(settings, specs).name
 
         def known() -> list[ModelSpec]:
-            return catalog.discover(settings)
+            return catalog.discover(settings, config)
 
         def loader(spec: ModelSpec, options: LoadOptions, progress: Progress) -> LocalModel:
             return LocalModel.load(catalog.resolved(spec), options, settings, offload, progress)
@@ -144,7 +148,7 @@ def build_state(
     meters = Metrics()
     upstreams = [
         UpstreamSlot(spec, UpstreamPool(spec), meters.slot(spec.name, "upstream"))
-        for spec in (load_upstreams(settings.config) if settings.config else [])
+        for spec in (upstreams_of(config) if config is not None else [])
     ]
     dispatcher = Dispatcher(registry, upstreams, meters)
     return ServerState(
@@ -156,7 +160,7 @@ def build_state(
         dispatcher,
         meters,
         McpManager(settings),
-        bool(ApiKeys.from_settings(settings)),
+        auth_required,
     )
 
 

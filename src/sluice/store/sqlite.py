@@ -473,14 +473,14 @@ def _connect(path: str, migrations: tuple[str, ...]) -> sqlite3.Connection:
         # disk; group commit shares that fsync among concurrent turns.
         conn.execute("PRAGMA synchronous = FULL")
         conn.execute("PRAGMA foreign_keys = ON")
-        _migrate(conn, migrations)
+        _migrate(conn, migrations, path)
     except BaseException:
         conn.close()
         raise
     return conn
 
 
-def _migrate(conn: sqlite3.Connection, migrations: tuple[str, ...]) -> None:
+def _migrate(conn: sqlite3.Connection, migrations: tuple[str, ...], path: str) -> None:
     """Apply the migrations this file has not had yet, each with its version bump atomically."""
     (version,) = conn.execute("PRAGMA user_version").fetchone()
     if version > len(migrations):
@@ -500,7 +500,7 @@ def _migrate(conn: sqlite3.Connection, migrations: tuple[str, ...]) -> None:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             raise
-        log.info("conversation store %s migrated to version %d", conn, number + 1)
+        log.info("conversation store %s migrated to version %d", path, number + 1)
 
 
 def _run_batch(conn: sqlite3.Connection, batch: list[_Op]) -> list[_Outcome]:

@@ -1,6 +1,6 @@
 """Server-side tools over MCP (LM Studio's ``integrations``): what the tool loop sees.
 
-The tool loop (``toolloop.py``) programs against :class:`ToolSet`; the
+The tool loop (``loop.py``) programs against :class:`ToolSet`; the
 :class:`McpManager` builds one per request from the request's integrations:
 
 * plugins (``"mcp/<label>"`` or ``{"type": "plugin", "id": ..., "allowed_tools"?}``):

@@ -3,12 +3,12 @@
 Two ways through, both measured by the slot's metrics on the streaming path:
 
 * :meth:`UpstreamModel.passthrough`: an OpenAI request to an OpenAI upstream
-  (spec 003). The body goes up with only ``model`` rewritten; the answer's
+  (byte-exact passthrough). The body goes up with only ``model`` rewritten; the answer's
   bytes come back unchanged, whole SSE events at a time, while an
   incremental decoder taps them for the metrics without re-encoding.
 * :meth:`UpstreamModel.open`: the backend protocol every other dialect uses.
   The request is encoded as an OpenAI body and the upstream's SSE is decoded
-  into sluice's events (``upstream_codec.py``).
+  into sluice's events (``codec.py``).
 
 Example::
 
@@ -184,7 +184,7 @@ class UpstreamStream:
                 UpstreamFailed("The upstream cut the stream in the middle of an event.")
             )
             return
-        for event in self._decoder.end():  # a clean end without [DONE] (spec 001 allows it)
+        for event in self._decoder.end():  # a clean end without [DONE] (some servers' chunk schema allows it)
             yield event
 
     async def aclose(self) -> None:

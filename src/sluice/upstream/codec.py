@@ -6,7 +6,7 @@ dialect needs the upstream to look like any backend: ``open(request)`` ->
 neutral events. This module is that translation, pure (no networking):
 
 * :func:`upstream_body`: a :class:`GenerationRequest` as an OpenAI streaming
-  body (the inverse of ``protocol/openai.py``'s ``to_request``);
+  body (the inverse of ``dialects/openai/schema.py``'s ``to_request``);
 * :class:`ChunkDecoder`: the upstream's parsed ``data:`` chunks -> events;
 * :func:`error_from_response`: a non-2xx answer before streaming -> a typed error;
 * :func:`stream_meta`: the response's :class:`StreamMeta`.
@@ -298,7 +298,7 @@ class ChunkDecoder:
     def _choice(self, item: Any, out: list[Event]) -> None:
         if not isinstance(item, dict):
             raise _Malformed(f"a choice is a JSON {_kind(item)}, not an object")
-        index = item.get("index", 0)  # spec 001's servers may leave it out (always 0)
+        index = item.get("index", 0)  # servers of the envelope-error chunk schema may leave it out (always 0)
         if not isinstance(index, int) or isinstance(index, bool) or index < 0:
             raise _Malformed(f"a choice's index is {index!r}")
         state = self._choices.get(index)

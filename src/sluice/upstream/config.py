@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from sluice.config.file import ConfigError, describe_value, read_toml
+from sluice.config.file import ConfigError, ConfigFile, describe_value
 
 DEFAULT_TIMEOUT = 300.0
 DEFAULT_CONNECT_TIMEOUT = 5.0
@@ -71,9 +71,13 @@ def load_upstreams(
 ) -> list[UpstreamSpec]:
     """The ``[[upstreams]]`` of a TOML file; anything wrong is a :class:`ConfigError`
     naming the file, the entry and the key."""
-    file = Path(path).expanduser()
-    data = read_toml(file)
-    entries = data.get("upstreams", [])
+    return upstreams_of(ConfigFile.read(path), env)
+
+
+def upstreams_of(config: ConfigFile, env: Mapping[str, str] | None = None) -> list[UpstreamSpec]:
+    """The ``[[upstreams]]`` of a config file already read (see :func:`load_upstreams`)."""
+    file = config.path
+    entries = config.table("upstreams") or []
     if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
         raise ConfigError(f"{file}: 'upstreams' must be an array of tables ([[upstreams]])")
     specs = [_entry(file, i, e, os.environ if env is None else env) for i, e in enumerate(entries)]

@@ -4,7 +4,7 @@ One :class:`UpstreamPool` per ``[[upstreams]]`` entry. :meth:`UpstreamPool.send`
 POSTs a body to the least busy replica not known to be down and fails over to
 the next one while nothing has been answered yet (a refused connection, a
 timeout, a 5xx other than 503). After the first byte a failure is the caller's
-to report (spec 002: an error frame or a 502): the pool only maps it to a typed
+to report (the gateway's rule: an error frame or a 502): the pool only maps it to a typed
 error and has the replica checked at once.
 
 Each replica is checked in the background (``GET /v1/models``): every

@@ -1,6 +1,6 @@
 """An incremental SSE decoder that keeps each event's bytes exactly as received.
 
-A gateway forwards an upstream's events unchanged (spec 003) while it reads
+A gateway forwards an upstream's events unchanged (byte-exact passthrough) while it reads
 them for metrics and usage, so every message carries its ``raw`` bytes: the
 ``raw`` of consecutive messages concatenated is exactly the input consumed,
 and :meth:`SSEDecoder.pending` is the rest.

@@ -9,7 +9,7 @@ Order of a request:
    servers are connected and their tools listed.
 2. ``chat.start``; the model is acquired: when this request loads it, the load's
    progress streams as ``model_load.*``; then the model runs, server-side tool
-   calls between rounds (``toolloop.py``); prompt processing, reasoning, the
+   calls between rounds (``tools/loop.py``); prompt processing, reasoning, the
    message and tool calls stream as they come.
 3. The response is stored (unless ``store`` is false) before ``chat.end``, so
    its ``response_id`` can be continued as soon as the client has it. An error

@@ -1,4 +1,4 @@
-"""LM Studio's ``POST /api/v1/chat``: named SSE events (spec 004) and the non-streaming body.
+"""LM Studio's ``POST /api/v1/chat``: named SSE events and the non-streaming body.
 
 One object serves both: fed every event, it answers the stream's frames, and
 :meth:`LMStudioChatFormatter.result` is the body, which ``chat.end`` carries

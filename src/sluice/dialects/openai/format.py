@@ -1,6 +1,6 @@
 """OpenAI wire dialects: ``chat.completion.chunk`` and ``text_completion``.
 
-Pure: events in, frames out. The stream contract (spec 000):
+Pure: events in, frames out. The stream contract (llama.cpp's server, OpenAI's SDKs):
 
 1. chat: a role frame per choice (after validation), then content frames
    without ``role``, then a terminal ``delta: {}`` with ``finish_reason``;
@@ -208,7 +208,7 @@ class ChatStreamFormatter(_StreamFormatter):
 
 
 class TextStreamFormatter(_StreamFormatter):
-    """Events -> ``text_completion`` frames (logprobs in every chunk, spec 000)."""
+    """Events -> ``text_completion`` frames (logprobs in every chunk)."""
 
     object_name = "text_completion"
 

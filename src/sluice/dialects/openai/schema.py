@@ -90,7 +90,7 @@ class _SamplingFields(_Wire):
     # LM Studio's extension: seconds the model stays loaded once idle (just-in-time loads)
     ttl: float | None = Field(default=None, gt=0)
 
-    # The count and length of stop strings are limits (protocol/body.py), not schema.
+    # The count and length of stop strings are limits (server/jsonbody.py), not schema.
 
     @field_validator("logit_bias")
     @classmethod
