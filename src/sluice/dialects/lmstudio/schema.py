@@ -20,7 +20,6 @@ Example::
 
 from __future__ import annotations
 
-import logging
 import re
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -30,15 +29,12 @@ from pydantic import (
     Discriminator,
     Field,
     Tag,
-    ValidationError,
     field_validator,
 )
 
-from sluice.core.errors import InvalidRequest, ReasoningUnsupported
+from sluice.core.errors import ReasoningUnsupported
 from sluice.core.request import GenerationRequest, SamplingParams
-from sluice.server.jsonbody import field_path
-
-log = logging.getLogger("sluice.api")
+from sluice.server.jsonbody import validate_body
 
 # Below this a context holds hardly a system prompt; llama.cpp itself pads tiny ones up.
 MIN_CONTEXT_LENGTH = 64
@@ -273,13 +269,4 @@ M = TypeVar("M", bound=_Wire)
 
 def parse(data: dict[str, Any], model: type[M]) -> M:
     """``data`` as ``model``; :class:`InvalidRequest` naming the first bad field."""
-    try:
-        parsed = model.model_validate(data)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        field = field_path(first["loc"], data, missing=first["type"] == "missing")
-        raise InvalidRequest(f"Invalid '{field}': {first['msg']}", param=field or None) from exc
-    unknown = parsed.unknown_fields()
-    if unknown:
-        log.info("ignoring unknown request fields: %s", ", ".join(unknown))
-    return parsed
+    return validate_body(data, model)
