@@ -39,23 +39,23 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import datetime as _dt
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(HERE))
-from bench import Noise, _dechunk, free_port, loadavg, machine_info, med, render_table
+from harness import REPO, RESULTS, client
+from harness.machine import Noise, loadavg, machine_info
+from harness.raw import context_params, quiet_llama_log
+from harness.report import machine_line, now, print_outcome, render_table, save_report, stamp
+from harness.servers import SLUICE, Server, free_port, models_env
+from harness.stats import med, rotated
 
 # Short enough that the prefill is a small part of a cold start, long enough to be a
 # real prompt (about 30 tokens with either vocabulary).
@@ -91,8 +91,7 @@ def direct_worker_main(args: argparse.Namespace) -> None:
     """
     import llama_cpp as L
 
-    log_cb = L.llama_log_callback(lambda level, text, user: None)
-    L.llama_log_set(log_cb, ctypes.c_void_p(0))
+    quiet_llama_log(L)
     L.llama_backend_init()
     print(json.dumps({"ready": True, "pid": os.getpid()}), flush=True)
     sys.stdin.readline()
@@ -104,15 +103,7 @@ def direct_worker_main(args: argparse.Namespace) -> None:
     if not model:
         raise SystemExit(f"direct: cannot load {args.direct}")
     t1 = time.perf_counter()
-    cparams = L.llama_context_default_params()
-    cparams.n_ctx = args.ctx * args.parallel
-    cparams.n_seq_max = args.parallel
-    cparams.n_batch = args.batch
-    cparams.n_ubatch = args.batch
-    cparams.n_threads = args.threads
-    cparams.n_threads_batch = args.threads
-    cparams.kv_unified = False
-    cparams.no_perf = True
+    cparams = context_params(L, args.threads, args.parallel, args.ctx, args.batch)
     ctx = L.llama_init_from_model(model, cparams)
     if not ctx:
         raise SystemExit("direct: cannot create the context")
@@ -219,69 +210,21 @@ _PHASES_RE = re.compile(
     r"sluice\.llama: loaded (?P<name>.+?): model (?P<model>[\d.]+) s, "
     r"context (?P<context>[\d.]+) s, vocabulary tables (?P<tables>[\d.]+) s"
 )
-_FIRST_TEXT = re.compile(rb'"text":"[^"]')
 
 
-class Server:
+class ColdServer(Server):
+    """sluice with another model loaded, an empty models folder, logging at ``info``."""
+
     def __init__(self, args: argparse.Namespace, default_model: str, log_path: Path) -> None:
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
         self.models_dir = tempfile.TemporaryDirectory(prefix="sluice-cold-models-")
-        self.cmd = [
-            sys.executable,
-            "-m",
-            "sluice",
-            "serve",
-            "--port",
-            str(self.port),
-            "--model",
-            default_model,
-            "--threads",
-            str(args.threads),
-            "--ctx",
-            str(args.ctx),
-            "--parallel",
-            str(args.parallel),
-            "--batch",
-            str(args.batch),
-            "--log-level",
-            "info",
-        ]
-        self.log_path = log_path
-        self.log = open(log_path, "w")  # noqa: SIM115 - open for the life of the server
-        env = {**os.environ, "SLUICE_MODELS_DIR": self.models_dir.name}
-        self.proc = subprocess.Popen(
-            self.cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO, env=env
-        )
-        deadline = time.monotonic() + 120
-        while True:
-            if self.proc.poll() is not None:
-                raise SystemExit(
-                    f"cold_start: sluice exited (rc {self.proc.returncode}), see {log_path}"
-                )
-            try:
-                self.health()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise SystemExit("cold_start: sluice did not come up in 120 s") from None
-                time.sleep(0.1)
-
-    def health(self) -> dict[str, Any]:
-        with urllib.request.urlopen(self.base + "/health", timeout=10) as resp:
-            return json.loads(resp.read())
+        port = free_port()
+        cmd = [*SLUICE, "--port", str(port), "--model", default_model]
+        cmd += ["--threads", str(args.threads), "--ctx", str(args.ctx)]
+        cmd += ["--parallel", str(args.parallel), "--batch", str(args.batch), "--log-level", "info"]
+        super().__init__("sluice", cmd, port, log_path, env=models_env(self.models_dir.name))
 
     def status(self, name: str) -> str:
         return str(self.health()["models"].get(name, {}).get("status", "unknown"))
-
-    def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        req = urllib.request.Request(
-            self.base + path,
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            return json.loads(resp.read())
 
     def make_cold(self, name: str) -> bool:
         """Unload ``name`` if it is loaded; True if it had to be unloaded."""
@@ -298,95 +241,35 @@ class Server:
             time.sleep(0.05)
         return True
 
-    def log_size(self) -> int:
-        self.log.flush()
-        return self.log_path.stat().st_size
-
-    def log_since(self, offset: int) -> str:
-        with open(self.log_path, "rb") as f:
-            f.seek(offset)
-            return f.read().decode("utf-8", "replace")
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
+    def close(self, timeout: float = 20.0) -> int | None:
+        rc = super().close(timeout)
         self.models_dir.cleanup()
+        return rc
 
 
-def _parse_sse(raw: bytes) -> dict[str, Any]:
-    head, _, body = raw.partition(b"\r\n\r\n")
-    status = int(head.split(b" ", 2)[1]) if head.startswith(b"HTTP/") else 0
-    if b"transfer-encoding: chunked" in head.lower():
-        body = _dechunk(body)
-    text: list[str] = []
-    usage = None
-    finish = None
-    for line in body.split(b"\n"):
-        if not line.startswith(b"data: ") or line == b"data: [DONE]":
-            continue
-        obj = json.loads(line[6:])
-        if obj.get("usage"):
-            usage = obj["usage"]
-        for ch in obj.get("choices") or ():
-            text.append(ch.get("text") or "")
-            finish = ch.get("finish_reason") or finish
-    return {"status": status, "text": "".join(text), "usage": usage, "finish": finish}
-
-
-def sluice_request(server: Server, name: str) -> dict[str, Any]:
+def sluice_request(server: ColdServer, name: str) -> dict[str, Any]:
     """One streaming /v1/completions request on a blocking socket: time to first text."""
-    body = json.dumps(
-        {
-            "model": name,
-            "prompt": PROMPT,
-            "max_tokens": 1,
-            "temperature": 0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-    ).encode()
-    req = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n"
-        "Content-Type: application/json\r\nAccept: text/event-stream\r\n"
-        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-    ).encode() + body
-    sock = socket.create_connection(("127.0.0.1", server.port))  # connected before the clock
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    raw = bytearray()
-    t_first = 0.0
-    tail = b""
-    t_send = time.perf_counter()
-    sock.sendall(req)
-    try:
-        while True:
-            data = sock.recv(65536)
-            if not data:
-                break
-            now = time.perf_counter()
-            raw += data
-            if not t_first and _FIRST_TEXT.search(tail + data):
-                t_first = now
-            if b"data: [DONE]" in tail + data:
-                break
-            tail = data[-64:]
-    finally:
-        sock.close()
-    parsed = _parse_sse(bytes(raw))
-    if parsed["status"] != 200 or not t_first:
-        raise SystemExit(f"cold_start: no first token from sluice: {bytes(raw[:600])!r}")
+    body = {
+        "model": name,
+        "prompt": PROMPT,
+        "max_tokens": 1,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    res = client.send(server.port, "/v1/completions", json.dumps(body).encode(), client.TEXT)
+    parsed = res.parse()
+    if parsed["status"] != 200 or not res.t_first:
+        raise SystemExit(f"cold_start: no first token from sluice: {bytes(res.raw[:600])!r}")
     return {
-        "ttft_s": t_first - t_send,
+        "ttft_s": res.ttft,
         "text": parsed["text"],
         "prompt_tokens": (parsed["usage"] or {}).get("prompt_tokens"),
         "finish": parsed["finish"],
     }
 
 
-def sluice_run(server: Server, name: str) -> dict[str, Any]:
+def sluice_run(server: ColdServer, name: str) -> dict[str, Any]:
     offset = server.log_size()
     res = sluice_request(server, name)
     time.sleep(0.1)  # let the log lines land
@@ -413,7 +296,7 @@ def measure_model(
     args: argparse.Namespace, name: str, log_path: Path
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str], list[str]]:
     path = model_path(name)
-    server = Server(args, OTHER_MODEL[name], log_path)
+    server = ColdServer(args, OTHER_MODEL[name], log_path)
     direct: list[dict[str, Any]] = []
     slu: list[dict[str, Any]] = []
     checks: list[str] = []
@@ -421,28 +304,25 @@ def measure_model(
         if server.status(name) != "not_loaded":
             raise SystemExit(f"cold_start: {name} is loaded at start (--model clash?)")
         for rnd in range(args.repeats):
-            order = ("direct", "sluice") if rnd % 2 == 0 else ("sluice", "direct")
+            order = rotated(("direct", "sluice"), rnd)
             for attempt in range(args.max_retries + 1):
                 pair: dict[str, dict[str, Any]] = {}
                 for side in order:
+                    quiet = (args.quiet, args.quiet_timeout)
                     if side == "direct":
                         worker = DirectRun(args, path)
-                        noise = Noise([server.proc.pid, worker.proc.pid])
                         try:
-                            before = noise.wait_quiet(args.quiet, args.quiet_timeout)
-                            noise.start()
-                            res = worker.run()
-                            res["foreign_cores"] = noise.stop()
+                            noise = Noise([server.pid, worker.proc.pid])
+                            res, foreign, before = noise.run(worker.run, *quiet)
                         finally:
                             worker.kill()
                     else:
-                        res = {"was_loaded": server.make_cold(name)}
+                        was_loaded = server.make_cold(name)
                         time.sleep(0.3)  # let the unload's threads settle
-                        noise = Noise([server.proc.pid])
-                        before = noise.wait_quiet(args.quiet, args.quiet_timeout)
-                        noise.start()
-                        res.update(sluice_run(server, name))
-                        res["foreign_cores"] = noise.stop()
+                        run = partial(sluice_run, server, name)
+                        res, foreign, before = Noise([server.pid]).run(run, *quiet)
+                        res = {"was_loaded": was_loaded, **res}
+                    res["foreign_cores"] = foreign
                     res["foreign_cores_before"] = before
                     pair[side] = res
                     extra = ""
@@ -582,7 +462,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512, help="context per sequence (default 512)")
     ap.add_argument("--parallel", type=int, default=1, help="slots (default 1)")
     ap.add_argument("--batch", type=int, default=512, help="n_batch = n_ubatch (default 512)")
-    ap.add_argument("--out-dir", type=Path, default=HERE / "results")
+    ap.add_argument("--out-dir", type=Path, default=RESULTS)
     ap.add_argument(
         "--quiet",
         type=float,
@@ -605,26 +485,26 @@ def main() -> None:
         if m not in OTHER_MODEL:
             sys.exit(f"cold_start: unknown model {m!r} (known: {', '.join(OTHER_MODEL)})")
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    started = _dt.datetime.now().astimezone()
+    started = now()
     load_start = loadavg()
     print(
         f"cold_start: models={models} repeats={args.repeats} threads={args.threads} "
         f"ctx={args.ctx} parallel={args.parallel} batch={args.batch} load={load_start}",
         flush=True,
     )
-    stamp = started.strftime("%Y-%m-%d-%H%M%S")
+    when = stamp(started)
     runs: dict[str, Any] = {}
     summary: dict[str, Any] = {}
     checks: list[str] = []
     server_cmds: dict[str, list[str]] = {}
     for name in models:
-        log_path = Path(tempfile.gettempdir()) / f"sluice-cold-start-{stamp}-{name}.log"
+        log_path = Path(tempfile.gettempdir()) / f"sluice-cold-start-{when}-{name}.log"
         direct, slu, model_checks, cmd = measure_model(args, name, log_path)
         runs[name] = {"direct": direct, "sluice": slu, "server_log": str(log_path)}
         server_cmds[name] = cmd
         summary[name] = summarize(direct, slu)
         checks += model_checks
-    finished = _dt.datetime.now().astimezone()
+    finished = now()
     load_end = loadavg()
     mach = machine_info()
 
@@ -652,9 +532,7 @@ def main() -> None:
             f"(direct first token {x['direct_first_token_ms']:.0f} ms)"
         )
         print(where)
-    print(f"load average: start {load_start}, end {load_end}")
-    for c in checks:
-        print("check:", c)
+    print_outcome({}, checks, {"start": load_start, "end": load_end})
 
     reproduce = (
         f".venv/bin/python benchmarks/cold_start.py --repeats {args.repeats}"
@@ -698,9 +576,7 @@ def main() -> None:
         "llama.cpp direct (a fresh process: load, context, tokenize, decode, greedy sample; "
         "process start excluded). Median of "
         f"{args.repeats} rounds, direct and sluice alternating.\n\n"
-        f"Machine: {mach['cpu_model']}, {mach['cores']} cores; Python {mach['python']}, "
-        f"llama-cpp-python {mach['llama_cpp_python']}; git {str(mach['git_commit'])[:10]}"
-        f"{' (src dirty)' if mach['git_dirty'] else ''}; load average {load_start} -> {load_end}.\n"
+        f"{machine_line(mach, doc['load_average'])}.\n"
         f"Parameters: threads {args.threads}, ctx {args.ctx} per sequence, parallel "
         f"{args.parallel}, batch {args.batch}; prompt of "
         + ", ".join(f"{runs[n]['direct'][0]['prompt_tokens']} tokens ({n})" for n in models)
@@ -720,11 +596,7 @@ def main() -> None:
         + ("\nChecks:\n" + "".join(f"- {c}\n" for c in checks) if checks else "")
         + f"\nReproduce: `{reproduce}`\n"
     )
-    json_path = args.out_dir / f"cold-start-{stamp}.json"
-    md_path = args.out_dir / f"cold-start-{stamp}.md"
-    json_path.write_text(json.dumps(doc, indent=2) + "\n")
-    md_path.write_text(md)
-    print(f"wrote {json_path} and {md_path}")
+    save_report(args.out_dir, f"cold-start-{when}", doc, md)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Conversations and the prompt cache (issue 9, scope 6): sluice against llama-server.
+"""Conversations and the prompt cache: sluice against llama-server.
 
 Two servers on the same model (SmolLM2-135M), one at a time, each started fresh per round
 (empty caches), the order swapped every round:
@@ -34,10 +34,10 @@ A round on one server:
    queue, every slot reused), then the long prompt again: the TTFT of both sends.
 
 TTFT = request sent -> first chunk with non-empty ``content``, client side, one blocking
-socket (bench.py's minimal client). Per-turn figures are medians over rounds; the
+socket (``harness/client.py``). Per-turn figures are medians over rounds; the
 targets are judged on the medians (and counted per round).
 
-Targets (issue 9): every turn's TTFT and the re-sent prompt's at or below llama-server's
+Targets: every turn's TTFT and the re-sent prompt's at or below llama-server's
 in the same run; the 10th turn's TTFT <= 0.25x a cold prefill of its whole prompt.
 
 Checks (printed and written with the results): a turn whose prompt has another token count
@@ -55,73 +55,30 @@ first use (about 7 minutes, cached).
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
-import os
 import random
-import re
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
-from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(HERE))
-import bench
-from llama_server import build_info, ensure_llama_server
+from harness import RESULTS, client, report
+from harness.llama_build import build_info, ensure_llama_server
+from harness.machine import Noise, loadavg, machine_info
+from harness.prompts import SYSTEM_TOPICS, paragraph
+from harness.servers import SLUICE, LlamaServer, Server, free_port, llama_server_cmd, models_env
+from harness.stats import med, rotated
 
 SERVERS = ("sluice", "llama-server")
 PARALLEL, CTX, CACHE_RAM_MB = 4, 8192, 2048
 TARGETS = {"turn_ttft_ratio_max": 1.0, "resent_ttft_ratio_max": 1.0, "last_turn_vs_cold_max": 0.25}
-CONTENT = re.compile(rb'"content":"[^"]')  # a chunk with non-empty content
 
 # --- deterministic text ---------------------------------------------------------------
-
-PEOPLE = ["Mara", "the old ferryman", "my neighbour Tomas", "the baker", "a young surveyor"]
-PEOPLE += ["the harbour master", "my sister Ines", "a travelling musician", "the schoolteacher"]
-PLACES = ["the lighthouse", "the river valley", "the village market", "the mountain railway"]
-PLACES += ["the north meadow", "the stone bridge", "the abandoned mill", "the orchard", "the pier"]
-THINGS = ["a brass compass", "a bundle of letters", "a wooden crate", "a faded map", "a lantern"]
-THINGS += ["a basket of pears", "a broken clock", "a roll of canvas", "a ledger", "a small boat"]
-ADJS = ["quiet", "restless", "cold", "golden", "grey", "crowded", "misty", "bright", "windy"]
-TIMES = ["At dawn", "Later that morning", "Around noon", "In the afternoon", "Towards evening"]
-TIMES += ["Long after dark", "On the second day", "A week later", "That same night"]
-SENTENCES = [
-    "{time} {person} went down to {place} carrying {thing}.",
-    "The air around {place} was {adj}, and nobody could say why.",
-    "{person} had promised to bring {thing} back before the bells rang.",
-    "Everyone agreed that {place} looked different since the storm.",
-    "{time} the road to {place} was {adj} and almost empty.",
-    "Nobody expected {person} to care so much about {thing}.",
-    "There was a rumour that {thing} had once belonged to {person}.",
-    "{person} counted the steps from the gate to {place} twice, just to be sure.",
-    "{time} a {adj} wind came off the water and rattled the shutters.",
-    "The children asked {person} about {thing}, but got only a smile in return.",
-    "It took three people to carry {thing} across {place}.",
-    "{person} wrote everything down in a notebook with a {adj} cover.",
-]
-
-
-def paragraph(rng: random.Random, words: int) -> str:
-    out: list[str] = []
-    while sum(len(s.split()) for s in out) < words:
-        s = rng.choice(SENTENCES).format(
-            time=rng.choice(TIMES),
-            person=rng.choice(PEOPLE),
-            place=rng.choice(PLACES),
-            thing=rng.choice(THINGS),
-            adj=rng.choice(ADJS),
-        )
-        out.append(s[0].upper() + s[1:])
-    return " ".join(out)
 
 
 def turn_messages(turns: int, words: int) -> list[str]:
@@ -159,105 +116,16 @@ def other_prompt(k: int, words: int) -> list[dict[str, str]]:
 # --- the client: one blocking socket per stream ------------------------------------------
 
 
-@dataclass
-class Reply:
-    status: int = 0
-    headers: dict[str, str] = field(default_factory=dict)
-    t_send: float = 0.0
-    t_first: float = 0.0
-    t_done: float = 0.0
-    raw: bytearray = field(default_factory=bytearray)
-
-    @property
-    def ttft(self) -> float:
-        return self.t_first - self.t_send
-
-    def parsed(self) -> dict[str, Any]:
-        """Text, usage, llama-server's timings, finish reason of the SSE body."""
-        head, _, body = bytes(self.raw).partition(b"\r\n\r\n")
-        if b"transfer-encoding: chunked" in head.lower():
-            body = bench._dechunk(body)
-        text, usage, timings, finish = [], None, None, None
-        for line in body.split(b"\n"):
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            obj = json.loads(line[6:])
-            usage = obj.get("usage") or usage
-            timings = obj.get("timings") or timings
-            for ch in obj.get("choices") or ():
-                text.append((ch.get("delta") or {}).get("content") or "")
-                finish = ch.get("finish_reason") or finish
-        return {"text": "".join(text), "usage": usage, "timings": timings, "finish": finish}
-
-
-def open_stream(port: int, path: str, body: dict[str, Any]) -> tuple[socket.socket, bytes]:
-    data = json.dumps(body).encode()
-    req = (
-        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
-        f"Accept: text/event-stream\r\nContent-Length: {len(data)}\r\nConnection: close\r\n\r\n"
-    ).encode() + data
-    sock = socket.create_connection(("127.0.0.1", port))
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return sock, req
-
-
-def read_stream(
-    sock: socket.socket,
-    req: bytes,
-    res: Reply,
-    stop: threading.Event | None = None,
-    on_first: Any = None,
-) -> None:
-    """Send ``req`` and read the answer to ``[DONE]`` (or until ``stop`` is set);
-    ``on_first()`` is called at the first content chunk."""
-    tail = b""
-    res.t_send = time.perf_counter()
-    try:
-        sock.sendall(req)
-        while data := sock.recv(65536):
-            now = time.perf_counter()
-            res.raw += data
-            if not res.t_first and CONTENT.search(tail + data):
-                res.t_first = now
-                if on_first is not None:
-                    on_first()
-            if b"data: [DONE]" in tail + data:
-                res.t_done = now
-                break
-            if stop is not None and stop.is_set():
-                break
-            tail = data[-64:]
-    except OSError:
-        if stop is None or not stop.is_set():
-            raise
-    finally:
-        sock.close()
-    head = bytes(res.raw[: res.raw.find(b"\r\n\r\n")]).decode("latin-1").split("\r\n")
-    if head and head[0].startswith("HTTP/1.1 "):
-        res.status = int(head[0].split()[1])
-        res.headers = {k.lower(): v.strip() for k, _, v in (h.partition(":") for h in head[1:])}
-
-
-def stream(port: int, path: str, body: dict[str, Any]) -> Reply:
-    sock, req = open_stream(port, path, body)  # connected before the clock
-    res = Reply()
-    read_stream(sock, req, res)
+def stream(port: int, path: str, body: dict[str, Any]) -> client.Stream:
+    res = client.send(port, path, json.dumps(body).encode())
     if res.status != 200 or not res.t_first or not res.t_done:
         sys.exit(f"conversation: {path} failed: {bytes(res.raw[:800])!r}")
     return res
 
 
-def streams_at_once(port: int, bodies: list[dict[str, Any]]) -> list[Reply]:
-    conns = [open_stream(port, "/v1/chat/completions", b) for b in bodies]
-    results = [Reply() for _ in bodies]
-    threads = [
-        threading.Thread(target=read_stream, args=(s, r, res), daemon=True)
-        for (s, r), res in zip(conns, results)
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(900)
+def streams_at_once(port: int, bodies: list[dict[str, Any]]) -> list[client.Stream]:
+    reqs = [client.http_post(port, client.CHAT, json.dumps(b).encode()) for b in bodies]
+    results = client.run_streams(port, reqs, lead=0.0)
     for res in results:
         if res.status != 200 or not res.t_done:
             sys.exit(f"conversation: a request failed: {bytes(res.raw[:800])!r}")
@@ -277,8 +145,8 @@ def chat_body(messages: list[dict[str, str]], tokens: int) -> dict[str, Any]:
     }
 
 
-def usage_of(res: Reply) -> dict[str, Any]:
-    p = res.parsed()
+def usage_of(res: client.Stream) -> dict[str, Any]:
+    p = res.parse()
     u = p["usage"] or {}
     t = p["timings"] or {}
     return {
@@ -310,13 +178,14 @@ class Background:
             with self.lock:
                 k = self.started
                 self.started += 1
-            topic = bench.SYSTEM_TOPICS[k % len(bench.SYSTEM_TOPICS)]
+            topic = SYSTEM_TOPICS[k % len(SYSTEM_TOPICS)]
             body = chat_body(
                 [{"role": "user", "content": f"Story {k}: tell me a long story about {topic}."}],
                 self.tokens,
             )
+            req = client.http_post(self.port, client.CHAT, json.dumps(body).encode())
             try:
-                sock, req = open_stream(self.port, "/v1/chat/completions", body)
+                sock = client.connect(self.port)
             except OSError as exc:
                 if not self.stop_ev.is_set():
                     print(f"  background client: {exc}", flush=True)
@@ -325,8 +194,9 @@ class Background:
             if self.stop_ev.is_set():
                 sock.close()
                 return
-            res = Reply()
-            read_stream(sock, req, res, self.stop_ev, lambda: self.generating.__setitem__(i, True))
+            res = client.Stream()
+            generating = partial(self.generating.__setitem__, i, True)
+            client.read_stream(sock, req, res, stop=self.stop_ev, on_first=generating)
             self.generating[i] = False
             if not self.stop_ev.is_set() and (res.status != 200 or not res.t_done):
                 print(f"  background stream failed: {bytes(res.raw[:300])!r}", flush=True)
@@ -359,67 +229,20 @@ class Background:
 # --- the servers -------------------------------------------------------------------------
 
 
-class Proc:
-    """A server process logging to a file, up once ``health`` answers 200."""
-
-    def __init__(self, name: str, cmd: list[str], port: int, log: Path, **kw: Any) -> None:
-        self.name, self.cmd, self.port = name, cmd, port
-        self.log = open(log, "w")  # noqa: SIM115 - open for the life of the server
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, **kw)
-        deadline = time.monotonic() + 180
-        while self.proc.poll() is None and time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                    return
-            except OSError:
-                time.sleep(0.2)
-        self.close()
-        sys.exit(f"conversation: {name} did not come up (rc {self.proc.returncode}), see {log}")
-
-    def get(self, path: str) -> Any:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=10) as r:
-            return json.loads(r.read())
-
-    def busy(self) -> bool:
-        if self.name == "sluice":
-            slots = self.get("/health")["slots"]
-            return bool(slots["active"] or slots["queued"])
-        return any(s.get("is_processing") for s in self.get("/slots"))
-
-    def wait_idle(self, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while self.busy():
-            if time.monotonic() > deadline:
-                sys.exit(f"conversation: {self.name} stays busy")
-            time.sleep(0.05)
-        time.sleep(0.1)
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
-
-
-def start_server(name: str, tmp: Path, rnd: int) -> Proc:
-    port = bench.free_port()
+def start_server(name: str, tmp: Path, rnd: int) -> Server:
+    port = free_port()
     log = tmp / f"{name}-round{rnd}.log"
     if name == "sluice":
-        cmd = [sys.executable, "-m", "sluice", "serve", "--threads", "1"]
+        cmd = [*SLUICE, "--threads", "1"]
         cmd += ["--parallel", str(PARALLEL), "--ctx", str(CTX), "--cache-ram", str(CACHE_RAM_MB)]
         cmd += ["--store", str(tmp / f"store-round{rnd}.sqlite"), "--log-level", "warning"]
-        env = {**os.environ, "SLUICE_MODELS_DIR": str(tmp / "models")}
-        return Proc(name, [*cmd, "--port", str(port)], port, log, cwd=REPO, env=env)
-    cmd = [str(ensure_llama_server()), "-m", str(bench.model_path()), "-t", "1"]
-    cmd += ["-np", str(PARALLEL), "-c", str(PARALLEL * CTX), "--cache-ram", str(CACHE_RAM_MB)]
-    cmd += ["--host", "127.0.0.1", "--port", str(port)]
-    return Proc(name, cmd, port, log)
+        return Server(name, [*cmd, "--port", str(port)], port, log, env=models_env(tmp / "models"))
+    cache = ["--cache-ram", str(CACHE_RAM_MB)]
+    cmd = llama_server_cmd(ensure_llama_server(), port, 1, PARALLEL, CTX, *cache)
+    return LlamaServer(name, cmd, port, log)
 
 
-def prompt_cache_stats(srv: Proc) -> dict[str, Any]:
+def prompt_cache_stats(srv: Server) -> dict[str, Any]:
     """sluice's prompt cache figures (entries, bytes, restores) from ``/health``."""
     found: dict[str, Any] = {}
 
@@ -440,13 +263,13 @@ def prompt_cache_stats(srv: Proc) -> dict[str, Any]:
 # --- one round on one server ----------------------------------------------------------------
 
 
-def run_server(srv: Proc, args: argparse.Namespace) -> dict[str, Any]:
+def run_server(srv: Server, args: argparse.Namespace) -> dict[str, Any]:
     is_sluice = srv.name == "sluice"
     out: dict[str, Any] = {"turns": []}
     # Warm-up: first-request code paths; nothing of it is reused below.
     stream(srv.port, "/v1/chat/completions", chat_body([{"role": "user", "content": "Hi."}], 4))
-    srv.wait_idle()
-    noise = bench.Noise([srv.proc.pid])
+    srv.wait_idle(settle=0.1)
+    noise = Noise([srv.pid])
     noise.wait_quiet(args.quiet, args.quiet_timeout)
     noise.start()
 
@@ -470,12 +293,12 @@ def run_server(srv: Proc, args: argparse.Namespace) -> dict[str, Any]:
         else:
             history.append({"role": "user", "content": msg})
             res = stream(srv.port, "/v1/chat/completions", chat_body(history, args.tokens))
-            history.append({"role": "assistant", "content": res.parsed()["text"]})
+            history.append({"role": "assistant", "content": res.parse()["text"]})
         turn = usage_of(res) | {
             "background_active": [active, bg.active()],
             "background_restarts": bg.started - restarts,  # streams that ended during it
         }
-        turn["text"] = res.parsed()["text"]
+        turn["text"] = res.parse()["text"]
         out["turns"].append(turn)
         print(
             f"    turn {i + 1:2d}: TTFT {turn['ttft_ms']:7.0f} ms  prompt {turn['prompt_tokens']}"
@@ -508,17 +331,17 @@ def run_server(srv: Proc, args: argparse.Namespace) -> dict[str, Any]:
     )
     bg.stop()
     out["background_streams"] = bg.started
-    srv.wait_idle()
+    srv.wait_idle(settle=0.1)
 
     # 3. the long prompt, 8 other requests, the long prompt again
     res = stream(srv.port, "/v1/chat/completions", chat_body(long_prompt(args.long_words), 16))
     out["long_first"] = usage_of(res)
-    srv.wait_idle()
+    srv.wait_idle(settle=0.1)
     others = streams_at_once(
         srv.port, [chat_body(other_prompt(k, args.other_words), 16) for k in range(8)]
     )
     out["others"] = [usage_of(r) for r in others]
-    srv.wait_idle()
+    srv.wait_idle(settle=0.1)
     res = stream(srv.port, "/v1/chat/completions", chat_body(long_prompt(args.long_words), 16))
     out["long_resent"] = usage_of(res)
     print(
@@ -537,7 +360,6 @@ def run_server(srv: Proc, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def summarize(runs: dict[str, list[dict]]) -> dict[str, Any]:
-    med = bench.med
     s, ls = runs["sluice"], runs["llama-server"]
     n_turns = len(s[0]["turns"])
     rows = []
@@ -661,7 +483,7 @@ def table(summary: dict[str, Any], markdown: bool) -> str:
                 f"{r['rounds_le']}/{summary['rounds']}",
             ]
         )
-    return bench.render_table(head, rows, markdown)
+    return report.render_table(head, rows, markdown)
 
 
 def write_report(res: dict[str, Any], out_dir: Path) -> None:
@@ -688,11 +510,7 @@ def write_report(res: dict[str, Any], out_dir: Path) -> None:
     print(f"\n{table(summary, markdown=False)}\n")
     for line in lines:
         print(line)
-    for name, ok in met.items():
-        print(f"target {name}: {'met' if ok else 'NOT met'}")
-    print(f"load average: start {load['start']}, end {load['end']}")
-    for c in res["checks"]:
-        print("check:", c)
+    report.print_outcome(met, res["checks"], load)
     bi = res["llama_server_build"]
     md = (
         f"# Conversations and the prompt cache {res['date']}\n\n"
@@ -709,10 +527,7 @@ def write_report(res: dict[str, Any], out_dir: Path) -> None:
         "through `/v1/chat/completions`, `cache_prompt: true`), built from llama-cpp-python "
         f"{bi.get('llama_cpp_python')}'s vendored llama.cpp with "
         f"`{' '.join(bi.get('cmake_flags', []))}`\n\n"
-        f"Machine: {mach['cpu_model']}, {mach['cores']} cores; Python {mach['python']}, "
-        f"llama-cpp-python {mach['llama_cpp_python']}; git {str(mach['git_commit'])[:10]}"
-        f"{' (src dirty)' if mach['git_dirty'] else ''}; load average {load['start']} -> "
-        f"{load['end']}.\n\n"
+        f"{report.machine_line(mach, load)}.\n\n"
         + (f"Note: {st['note']}\n\n" if st["note"] else "")
         + table(summary, markdown=True)
         + "\n\nTTFT = request sent -> first chunk with content (client side), median over "
@@ -723,9 +538,9 @@ def write_report(res: dict[str, Any], out_dir: Path) -> None:
         "1).\n\n"
         + "".join(f"- {line}\n" for line in lines)
         + "\nTargets: "
-        + bench.targets_and_checks(met, res["checks"], st["reproduce"])
+        + report.targets_and_checks(met, res["checks"], st["reproduce"])
     )
-    bench.save_report(out_dir, f"conversation-{res['stamp']}", res, md)
+    report.save_report(out_dir, f"conversation-{res['stamp']}", res, md)
 
 
 def main() -> None:
@@ -755,7 +570,7 @@ def main() -> None:
     ap.add_argument("--servers", default=",".join(SERVERS))
     ap.add_argument("--quiet", type=float, default=0.3, help="noise threshold, in cores")
     ap.add_argument("--quiet-timeout", type=float, default=30.0)
-    ap.add_argument("--out-dir", type=Path, default=HERE / "results")
+    ap.add_argument("--out-dir", type=Path, default=RESULTS)
     ap.add_argument("--note", default="", help="a note stored with the results")
     ap.add_argument("--report", type=Path, help="rewrite the .md of a results .json, no run")
     args = ap.parse_args()
@@ -774,15 +589,14 @@ def main() -> None:
     servers = tuple(s for s in SERVERS if s in args.servers.split(","))
     binary = ensure_llama_server()  # built (once) before anything is timed
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    started, load_start = _dt.datetime.now().astimezone(), bench.loadavg()
+    started, load_start = report.now(), loadavg()
     tmp = Path(tempfile.mkdtemp(prefix="sluice-conversation-"))
     (tmp / "models").mkdir()
     print(f"conversation: rounds={args.rounds} turns={args.turns} servers={servers}; logs in {tmp}")
     runs: dict[str, list[dict]] = {s: [] for s in servers}
     cmds: dict[str, list[str]] = {}
     for rnd in range(args.rounds):
-        order = servers[rnd % len(servers) :] + servers[: rnd % len(servers)]
-        for name in order:
+        for name in rotated(servers, rnd):
             print(f"  round {rnd + 1}/{args.rounds}: {name}", flush=True)
             srv = start_server(name, tmp, rnd + 1)
             cmds[name] = srv.cmd
@@ -796,10 +610,10 @@ def main() -> None:
     summary = summarize(runs)
     res = {
         "date": started.isoformat(timespec="seconds"),
-        "stamp": started.strftime("%Y-%m-%d-%H%M%S"),
-        "machine": bench.machine_info(),
+        "stamp": report.stamp(started),
+        "machine": machine_info(),
         "llama_server_build": build_info(binary),
-        "load_average": {"start": load_start, "end": bench.loadavg()},
+        "load_average": {"start": load_start, "end": loadavg()},
         "settings": {
             "rounds": args.rounds,
             "turns": args.turns,

@@ -8,7 +8,7 @@ A diagnostic companion to ``bench.py`` (it does not change ``src/``):
    sequences, events into a plain thread-safe sink. ``runner.decode`` and
    ``runner.sample`` are timed, so each step splits into llama_decode /
    sampling / Python bookkeeping. The same N sequences then run through
-   ``bench.py``'s raw worker (its own process: two llama.cpp contexts driven
+   the harness's raw worker (its own process: two llama.cpp contexts driven
    from two threads of one process slow each other down ~3x through their
    OpenMP thread teams) for the anchor.
    ``--cprofile`` also profiles the engine thread with cProfile.
@@ -33,11 +33,12 @@ import statistics
 import sys
 import threading
 import time
-from pathlib import Path
+from functools import partial
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench
+from harness import model_path
+from harness.machine import Noise
+from harness.prompts import make_messages
+from harness.raw import RawWorker
 
 
 def engine_profile(args: argparse.Namespace) -> None:
@@ -49,7 +50,7 @@ def engine_profile(args: argparse.Namespace) -> None:
 
     runner = LlamaRunner.load(
         LlamaRunnerConfig(
-            model_path=str(bench.model_path()),
+            model_path=str(model_path()),
             n_parallel=args.parallel,
             n_ctx=args.ctx,
             n_batch=512,
@@ -121,9 +122,7 @@ def engine_profile(args: argparse.Namespace) -> None:
 
     # The anchor runs in its own process: two llama.cpp contexts driven from two
     # threads of one process get two OpenMP teams that slow each other down ~3x.
-    raw = bench.RawWorker(
-        argparse.Namespace(threads=args.threads, parallel=args.parallel, ctx=args.ctx, batch=512)
-    )
+    raw = RawWorker(args.threads, args.parallel, args.ctx, 512)
     from sluice.local.templates import ChatTemplate
 
     info = runner.info
@@ -136,13 +135,13 @@ def engine_profile(args: argparse.Namespace) -> None:
 
     engine = ProfiledEngine(runner, EngineConfig(n_parallel=args.parallel, max_queue=16))
     engine.start()
-    noise = bench.Noise([raw.proc.pid])
+    noise = Noise([raw.pid])
     try:
         results = []
         serial = 500
         while len(results) < args.repeats and serial < 500 + 4 * args.repeats:
             serial += 1
-            convs = [bench.make_messages(serial, i) for i in range(args.n)]
+            convs = [make_messages(serial, i) for i in range(args.n)]
             # sluice engine (no HTTP)
             prompts = [runner.tokenize(render(c), add_special=False) for c in convs]
             reqs = [
@@ -178,10 +177,7 @@ def engine_profile(args: argparse.Namespace) -> None:
             }
             steady = layouts[len(layouts) // 2]
             time.sleep(0.3)
-            noise.wait_quiet(0.15, 60)
-            noise.start()
-            r = raw.run(convs, args.tokens)
-            f_raw = noise.stop()
+            r, f_raw, _ = noise.run(partial(raw.run, convs, args.tokens), 0.15, 60)
             clean = max(f_eng, f_raw) <= 0.15
             print(
                 f"rep {serial - 500}: engine {eng['agg_tok_s']:.1f} tok/s, raw {r['agg_tok_s']:.1f} tok/s "

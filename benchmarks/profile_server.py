@@ -3,7 +3,7 @@
 
 Runs ``sluice serve`` in a subprocess whose ``LlamaRunner.decode`` and
 ``Engine._step`` are wrapped with timers (nothing in ``src/`` changes), drives
-it over HTTP/SSE with ``bench.py``'s client, alternating with ``bench.py``'s
+it over HTTP/SSE with the harness's client, alternating with the harness's
 raw worker, and prints for the steady decode steps (every stream generating):
 
 * ``llama_decode`` time per step (compare with the raw step time);
@@ -30,17 +30,19 @@ import itertools
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench
+from harness.client import run_chat_streams
+from harness.machine import Noise, proc_cpu_seconds
+from harness.prompts import make_messages
+from harness.raw import RawWorker
+from harness.servers import Server, free_port
 
 
 def serve_with_timers(argv: list[str], log_path: str) -> None:
@@ -108,44 +110,15 @@ def main() -> None:
         return
 
     steps_path = Path(tempfile.gettempdir()) / f"sluice-steps-{os.getpid()}.json"
-    port = bench.free_port()
-    cmd = [
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "--_serve",
-        "serve",
-        "--port",
-        str(port),
-        "--parallel",
-        str(args.parallel),
-        "--threads",
-        str(args.threads),
-        "--ctx",
-        str(args.ctx),
-        "--log-level",
-        "warning",
-    ]
-    log = open(steps_path.with_suffix(".log"), "w")  # noqa: SIM115 - open for the life of the server
-    proc = subprocess.Popen(
-        cmd,
-        env=dict(os.environ, SLUICE_STEP_LOG=str(steps_path)),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    server = argparse.Namespace(port=port, proc=proc, base=f"http://127.0.0.1:{port}")
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            bench.http_get_json(server.base + "/health")
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                sys.exit(f"profile: the server did not start, see {log.name}")
-            time.sleep(0.2)
-    raw = bench.RawWorker(
-        argparse.Namespace(threads=args.threads, parallel=args.parallel, ctx=args.ctx, batch=512)
-    )
-    noise = bench.Noise([proc.pid, raw.proc.pid])
+    port = free_port()
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--_serve", "serve"]
+    cmd += ["--port", str(port), "--parallel", str(args.parallel)]
+    cmd += ["--threads", str(args.threads), "--ctx", str(args.ctx), "--log-level", "warning"]
+    env = dict(os.environ, SLUICE_STEP_LOG=str(steps_path))
+    server = Server("sluice", cmd, port, steps_path.with_suffix(".log"), env=env)
+    pid = server.pid
+    raw = RawWorker(args.threads, args.parallel, args.ctx, 512)
+    noise = Noise([pid, raw.pid])
     windows: list[tuple[float, float]] = []
     raw_steps: list[float] = []
     loop_us: list[float] = []
@@ -153,25 +126,20 @@ def main() -> None:
     try:
         for wn in [int(x) for x in args.warm.split(",") if x] or [args.n]:
             serial += 1
-            bench.sluice_run(server, [bench.make_messages(serial, i) for i in range(wn)], 8)
+            run_chat_streams(server, [make_messages(serial, i) for i in range(wn)], 8)
         for rep in range(args.repeats):
             serial += 1
-            convs = [bench.make_messages(serial, i) for i in range(args.n)]
+            convs = [make_messages(serial, i) for i in range(args.n)]
+            time.sleep(0.3)
+            r, f_raw, _ = noise.run(partial(raw.run, convs, args.tokens), 0.15, 60)
             time.sleep(0.3)
             noise.wait_quiet(0.15, 60)
             noise.start()
-            r = raw.run(convs, args.tokens)
-            f_raw = noise.stop()
-            time.sleep(0.3)
-            noise.wait_quiet(0.15, 60)
-            noise.start()
-            loop0 = bench.proc_cpu_seconds(proc.pid, proc.pid)
+            loop0 = proc_cpu_seconds(pid, pid)
             t0 = time.perf_counter()
-            s = bench.sluice_run(server, convs, args.tokens)
+            s = run_chat_streams(server, convs, args.tokens)
             windows.append((t0, time.perf_counter()))
-            loop_us.append(
-                (bench.proc_cpu_seconds(proc.pid, proc.pid) - loop0) / (args.n * args.tokens) * 1e6
-            )
+            loop_us.append((proc_cpu_seconds(pid, pid) - loop0) / (args.n * args.tokens) * 1e6)
             f_slu = noise.stop()
             raw_steps.append(r["step_ms_median"])
             print(
@@ -184,12 +152,7 @@ def main() -> None:
         time.sleep(2.0)  # one more dump of the step records
     finally:
         raw.close()
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        server.close()
     rec = json.loads(steps_path.read_text())
     # perf_counter is per process, but CLOCK_MONOTONIC on Linux: comparable here.
     rec = [x for x in rec if any(a <= x[0] <= b for a, b in windows)]

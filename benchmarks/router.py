@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Router overhead (issue 8): one upstream asked directly, through sluice, through LiteLLM.
+"""Router overhead: one upstream asked directly, through sluice, through LiteLLM.
 
 * **direct**: the upstream, ``sluice serve --threads 1 --parallel 8`` (embedded SmolLM2,
   empty ``SLUICE_MODELS_DIR``), model ``smollm2``;
@@ -36,33 +36,29 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import datetime as _dt
 import json
-import os
 import random
 import re
 import secrets
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
-import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(HERE))
-import bench
+from harness import CACHE, RESULTS, client, model_path, report
+from harness.machine import Noise, loadavg, machine_info, proc_cpu_seconds
+from harness.prompts import QUESTIONS, SYSTEM_TOPICS
+from harness.raw import quiet_llama_log
+from harness.servers import SLUICE, Server, free_port, models_env
+from harness.stats import med, pct, rotated
 
 # LiteLLM's PyPI releases 1.82.7/1.82.8 (2026-03) and 1.107.0 (2026-10-21) were
 # compromised; LiteLLM's notice for the latter asks to pin 1.106.2. Raise this pin only
 # to a release checked against the maintainers' security notices.
 LITELLM_VERSION = "1.106.2"
 LITELLM_PACKAGES = [f"litellm[proxy]=={LITELLM_VERSION}", "httptools==0.9.0"]
-LITELLM_VENV = Path.home() / ".cache" / "sluice-bench" / "litellm-venv"
+LITELLM_VENV = CACHE / "litellm-venv"
 BAD_PTH = {"litellm_init.pth", "cook.pth"}  # the incidents' startup hooks
 LITELLM_ENV = {
     "LITELLM_LOG": "ERROR",  # also uvicorn's level: no access log
@@ -89,7 +85,6 @@ MODEL = {"direct": "smollm2", "sluice": "up-smollm2", "litellm": "up-smollm2"}
 LEVELS = (1, 8)
 STREAMS = 8  # per measurement, in waves of the concurrency
 TARGETS = {"added_ttft_p50_ms": 2.0, "throughput_ratio": 0.98}
-CONTENT = re.compile(rb'"content":"[^"]')  # a chunk with non-empty content
 
 
 def ensure_litellm() -> Path:
@@ -111,42 +106,15 @@ def ensure_litellm() -> Path:
     return exe
 
 
-class Proc:
-    """A server process logging to a file, up once ``health`` answers."""
-
-    def __init__(self, cmd: list[str], port: int, health: str, log: Path, **kw: Any) -> None:
-        self.cmd, self.port = cmd, port
-        self.log = open(log, "w")  # noqa: SIM115 - open for the life of the server
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, **kw)
-        deadline = time.monotonic() + 180
-        while self.proc.poll() is None and time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}{health}", timeout=2):
-                    return
-            except OSError:
-                time.sleep(0.2)
-        self.close()
-        sys.exit(f"router: {cmd[:4]} did not come up (rc {self.proc.returncode}), see {log}")
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
-
-
-def start_servers(tmp: Path, key: str, paths: tuple[str, ...]) -> dict[str, Proc]:
+def start_servers(tmp: Path, key: str, paths: tuple[str, ...]) -> dict[str, Server]:
     """The upstream (path ``direct``) and the gateways of ``paths`` in front of it."""
-    env = {**os.environ, "SLUICE_MODELS_DIR": str(tmp / "models")}
+    env = models_env(tmp / "models")
     (tmp / "models").mkdir()
-    sluice = [sys.executable, "-m", "sluice", "serve", "--threads", "1", "--log-level", "warning"]
-    up = bench.free_port()
+    sluice = [*SLUICE, "--threads", "1", "--log-level", "warning"]
+    up = free_port()
     (tmp / "gw.toml").write_text(GW_TOML.format(up=up))
     (tmp / "litellm.yaml").write_text(LITELLM_YAML.format(up=up))
-    ports = {p: up if p == "direct" else bench.free_port() for p in paths}
+    ports = {p: up if p == "direct" else free_port() for p in paths}
     cmds = {
         "direct": [*sluice, "--parallel", "8"],
         "sluice": [*sluice, "--config", str(tmp / "gw.toml"), "--strict-model-names"]
@@ -154,16 +122,20 @@ def start_servers(tmp: Path, key: str, paths: tuple[str, ...]) -> dict[str, Proc
         "litellm": [str(ensure_litellm()) if "litellm" in paths else "litellm", "--config"]
         + [str(tmp / "litellm.yaml"), "--host", "127.0.0.1", "--num_workers", "1"],
     }
-    litellm_kw = {"cwd": tmp, "env": {**os.environ, **LITELLM_ENV, "LITELLM_MASTER_KEY": key}}
-    servers: dict[str, Proc] = {}
+    litellm_env = {**env, **LITELLM_ENV, "LITELLM_MASTER_KEY": key}
+    servers: dict[str, Server] = {}
     try:
         for p in paths:
-            servers[p] = Proc(
+            servers[p] = Server(
+                p,
                 [*cmds[p], "--port", str(ports[p])],
                 ports[p],
-                "/health/liveliness" if p == "litellm" else "/health",
                 tmp / f"{p}.log",
-                **(litellm_kw if p == "litellm" else {"cwd": REPO, "env": env}),
+                **(
+                    {"health": "/health/liveliness", "cwd": tmp, "env": litellm_env}
+                    if p == "litellm"
+                    else {"env": env}
+                ),
             )
     except BaseException:
         for srv in servers.values():
@@ -172,21 +144,11 @@ def start_servers(tmp: Path, key: str, paths: tuple[str, ...]) -> dict[str, Proc
     return servers
 
 
-def upstream_health(up: Proc) -> dict[str, Any]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{up.port}/health", timeout=10) as r:
-        return json.loads(r.read())
-
-
-def settle(up: Proc) -> None:
+def settle(up: Server) -> None:
     """Wait until the upstream has no request left, then a little: the next request
     starts on an idle upstream whichever path ended last (a stream's end reaches the
     client sooner directly than through a gateway, with the upstream still busy)."""
-    deadline = time.monotonic() + 30
-    while (slots := upstream_health(up)["slots"])["active"] or slots["queued"]:
-        if time.monotonic() > deadline:
-            sys.exit(f"router: the upstream stays busy: {slots}")
-        time.sleep(0.01)
-    time.sleep(0.05)
+    up.wait_idle(timeout=30, poll=0.01, settle=0.05)
 
 
 class Prompts:
@@ -201,11 +163,10 @@ class Prompts:
     def __init__(self) -> None:
         import llama_cpp as L
 
-        self._log = L.llama_log_callback(lambda level, text, user: None)
-        L.llama_log_set(self._log, ctypes.c_void_p(0))
+        quiet_llama_log(L)
         params = L.llama_model_default_params()
         params.vocab_only = True
-        model = L.llama_model_load_from_file(str(bench.model_path()).encode(), params)
+        model = L.llama_model_load_from_file(str(model_path()).encode(), params)
         vocab = L.llama_model_get_vocab(model)
         buf, arr = ctypes.create_string_buffer(64), (L.llama_token * 8)()
 
@@ -225,73 +186,37 @@ class Prompts:
     def conversation(self, shape: int) -> list[dict[str, str]]:
         word = self.words[self.used % len(self.words)]
         self.used += 1
-        topic = bench.SYSTEM_TOPICS[shape % len(bench.SYSTEM_TOPICS)]
+        topic = SYSTEM_TOPICS[shape % len(SYSTEM_TOPICS)]
         return [
             {"role": "system", "content": f"{word}. You are a patient tutor who likes {topic}."},
-            {"role": "user", "content": bench.QUESTIONS[shape % len(bench.QUESTIONS)]},
+            {"role": "user", "content": QUESTIONS[shape % len(QUESTIONS)]},
         ]
 
 
-# --- the client: one blocking socket and thread per stream (bench.py's) ---------------
+# --- requests -------------------------------------------------------------------------
 
 
 def request(path: str, port: int, key: str, messages: list[dict], tokens: int) -> bytes:
-    body = json.dumps(
-        {
-            "model": MODEL[path],
-            "messages": messages,
-            "stream": True,
-            "temperature": 0,
-            "seed": 42,
-            "max_tokens": tokens,
-            "ignore_eos": True,
-            "stream_options": {"include_usage": True},
-        }
-    ).encode()
-    return (
-        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
-        f"Authorization: Bearer {key}\r\nContent-Type: application/json\r\n"
-        f"Accept: text/event-stream\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-    ).encode() + body
+    body = {
+        "model": MODEL[path],
+        "messages": messages,
+        "stream": True,
+        "temperature": 0,
+        "seed": 42,
+        "max_tokens": tokens,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+    return client.http_post(port, client.CHAT, json.dumps(body).encode(), key)
 
 
-def _stream(sock: socket.socket, req: bytes, start: threading.Event, res: Any) -> None:
-    tail = b""
-    start.wait()
-    res.t_send = time.perf_counter()
-    sock.sendall(req)
-    try:
-        while data := sock.recv(65536):
-            now = time.perf_counter()
-            res.raw += data
-            if not res.t_first and CONTENT.search(tail + data):
-                res.t_first = now
-            if b"data: [DONE]" in tail + data:
-                res.t_done = now
-                break
-            tail = data[-64:]
-    finally:
-        sock.close()
-
-
-def wave(port: int, reqs: list[bytes]) -> list[Any]:
+def wave(port: int, reqs: list[bytes]) -> list[client.Stream]:
     """Send ``reqs`` at once (connections opened before the clock); wait for all."""
-    start, results = threading.Event(), [bench.StreamResult() for _ in reqs]
-    threads = []
-    for req, res in zip(reqs, results):
-        sock = socket.create_connection(("127.0.0.1", port))
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        threads.append(threading.Thread(target=_stream, args=(sock, req, start, res), daemon=True))
-        threads[-1].start()
-    time.sleep(0.02)
-    start.set()
-    for t in threads:
-        t.join(600)
-    return results
+    return client.run_streams(port, reqs, lead=0.02)
 
 
 def measure(
-    servers: dict[str, Proc], order: tuple, conc: int, prompts: Prompts, shape0: int, args: Any
+    servers: dict[str, Server], order: tuple, conc: int, prompts: Prompts, shape0: int, args: Any
 ) -> dict:
     """STREAMS streams per path in waves of ``conc``, the paths taking turns wave by wave
     (so that drift hits them alike) with the same prompt shapes: TTFTs (in wave order),
@@ -305,16 +230,16 @@ def measure(
         for p in order:
             srv, m = servers[p], out[p]
             settle(servers["direct"])
-            cpu0 = bench.proc_cpu_seconds(srv.proc.pid)
+            cpu0 = proc_cpu_seconds(srv.pid)
             got = wave(srv.port, m["reqs"][i : i + conc])
-            m["cpu_s"] += bench.proc_cpu_seconds(srv.proc.pid) - cpu0
+            m["cpu_s"] += proc_cpu_seconds(srv.pid) - cpu0
             m["wall_s"] += max(r.t_done for r in got) - min(r.t_send for r in got)
             m["results"] += got
     for p, m in out.items():
         usage = []
         for r in m["results"]:
-            u = bench.parse_sse(r)["usage"] or {}
-            if not r.raw.startswith(b"HTTP/1.1 200") or not r.t_first or not r.t_done:
+            u = r.parse()["usage"] or {}
+            if r.status != 200 or not r.t_first or not r.t_done:
                 sys.exit(f"router: a {p} stream failed: {bytes(r.raw[:600])!r}")
             if u.get("completion_tokens") != args.tokens:
                 sys.exit(f"router: {p}: expected {args.tokens} tokens, got usage {u}")
@@ -359,9 +284,7 @@ def compare(ref: bytes, other: bytes) -> dict[str, Any]:
                 diffs.update(json_diff(json.loads(x[6:]), json.loads(y[6:])))
             except ValueError:
                 diffs.add("(not JSON)")
-    texts = [
-        bench.parse_sse(bench.StreamResult(raw=bytearray(b"\r\n\r\n" + s)))["text"] for s in (a, b)
-    ]
+    texts = [client.parse_sse(b"\r\n\r\n" + s)["text"] for s in (a, b)]
     return {
         "raw_equal": ref == other,
         "normalized_equal": a == b,
@@ -371,23 +294,22 @@ def compare(ref: bytes, other: bytes) -> dict[str, Any]:
     }
 
 
-def identity_check(servers: dict[str, Proc], conv: list[dict], args: Any) -> dict[str, Any]:
+def identity_check(servers: dict[str, Server], conv: list[dict], args: Any) -> dict[str, Any]:
     def ask(path: str) -> bytes:
         srv = servers[path]
         [res] = wave(srv.port, [request(path, srv.port, args.key, conv, args.tokens)])
-        head, _, body = bytes(res.raw).partition(b"\r\n\r\n")
-        if not head.startswith(b"HTTP/1.1 200"):
+        if res.status != 200:
             sys.exit(f"router: the identity request via {path} failed: {bytes(res.raw[:600])!r}")
-        return bench._dechunk(body) if b"transfer-encoding: chunked" in head.lower() else body
+        return res.body()
 
     ask("direct")  # warm-up: every answer below finds this prompt in the prefix cache
     ref = ask("direct")
     out = {"control_direct_again": compare(ref, ask("direct"))}
     for path in [p for p in servers if p != "direct"]:
-        before = upstream_health(servers["direct"])["engine"]["tokens_generated"]
+        before = servers["direct"].health()["engine"]["tokens_generated"]
         out[path] = compare(ref, ask(path))
         out[path]["upstream_generated"] = (
-            upstream_health(servers["direct"])["engine"]["tokens_generated"] - before
+            servers["direct"].health()["engine"]["tokens_generated"] - before
         )
     return out
 
@@ -410,16 +332,16 @@ def ident_lines(ident: dict[str, Any]) -> list[str]:
 # --- rounds and report -------------------------------------------------------------------
 
 
-def run_rounds(servers: dict[str, Proc], prompts: Prompts, args: Any) -> tuple[dict, list[str]]:
+def run_rounds(servers: dict[str, Server], prompts: Prompts, args: Any) -> tuple[dict, list[str]]:
     """Warm-up, then the rounds: at each concurrency every path, the order rotated."""
     paths = tuple(servers)
     runs: dict[str, dict[str, list[dict]]] = {str(c): {p: [] for p in paths} for c in LEVELS}
     checks: list[str] = []
     for conc in LEVELS:  # warm-up: connections, pools, first-request code paths
         measure(servers, paths, conc, prompts, 0, args)
-    noise = bench.Noise([s.proc.pid for s in servers.values()])
+    noise = Noise([s.pid for s in servers.values()])
     for rnd in range(args.rounds):
-        order = paths[rnd % len(paths) :] + paths[: rnd % len(paths)]
+        order = rotated(paths, rnd)
         for conc in LEVELS:
             for attempt in range(args.max_retries + 1):
                 noise.wait_quiet(args.quiet, args.quiet_timeout)
@@ -433,7 +355,7 @@ def run_rounds(servers: dict[str, Proc], prompts: Prompts, args: Any) -> tuple[d
                     m.update(foreign_cores=foreign, round=rnd + 1)
                     print(
                         f"  round {rnd + 1}/{args.rounds} streams={conc} {path:7s} TTFT p50 "
-                        f"{bench.med(m['ttft_s']) * 1000:6.1f} ms {m['tok_s']:6.1f} tok/s",
+                        f"{med(m['ttft_s']) * 1000:6.1f} ms {m['tok_s']:6.1f} tok/s",
                         flush=True,
                     )
                 print(f"  (others used {foreign:.2f} cores)", flush=True)
@@ -459,7 +381,7 @@ def ci95(rounds: list[list[float]], n: int = 2000) -> list[float]:
     """Bootstrap 95% interval (rounds resampled whole) of the median difference, in ms."""
     rng, meds = random.Random(0), []
     for _ in range(n):
-        meds.append(bench.med([d for r in rng.choices(rounds, k=len(rounds)) for d in r]))
+        meds.append(med([d for r in rng.choices(rounds, k=len(rounds)) for d in r]))
     meds.sort()
     return [1000 * meds[int(0.025 * n)], 1000 * meds[int(0.975 * n)]]
 
@@ -473,7 +395,7 @@ def summarize(runs: dict[str, dict[str, list[dict]]]) -> dict[str, Any]:
     their TTFTs form clusters that a pooled percentile would jump between); p50 and p95
     are over all these paired differences, the CI resamples whole rounds.
     """
-    med, pct, out = bench.med, bench.pct, {}
+    out = {}
     for conc, by_path in runs.items():
         d, k = by_path["direct"], int(conc)
         rows: dict[str, Any] = {}
@@ -509,7 +431,7 @@ def summarize(runs: dict[str, dict[str, list[dict]]]) -> dict[str, Any]:
 
 
 def targets(summary: dict[str, Any], ident: dict[str, Any]) -> dict[str, bool]:
-    """The issue's targets for sluice, at every concurrency ({} if sluice was not run)."""
+    """The targets for sluice, at every concurrency ({} if sluice was not run)."""
     if "sluice" not in ident:
         return {}
     s = [r["sluice"] for r in summary.values()]
@@ -545,7 +467,7 @@ def table(summary: dict[str, Any], markdown: bool) -> str:
             row += [f"{r['added_ttft_p95_ms']:+.2f}", f"{r['ttft_p50_minus_direct_ms']:+.2f}"]
             row += [f"{r['tok_s']:.1f}", f"{r['ratio']:.3f}", f"{r['ratio_paired']:.3f}"]
             rows.append([*row, f"{r['router_cpu_ms_per_1k_tok']:.0f}"])
-    return bench.render_table(head, rows, markdown)
+    return report.render_table(head, rows, markdown)
 
 
 def write_report(res: dict[str, Any], out_dir: Path) -> None:
@@ -553,11 +475,7 @@ def write_report(res: dict[str, Any], out_dir: Path) -> None:
     summary, ident, met, mach = res["summary"], res["identical_bytes"], res["met"], res["machine"]
     load, st = res["load_average"], res["settings"]
     print(f"\n{table(summary, markdown=False)}\n")
-    for name, ok in met.items():
-        print(f"target {name}: {'met' if ok else 'NOT met'}")
-    print(f"load average: start {load['start']}, end {load['end']}")
-    for c in res["checks"]:
-        print("check:", c)
+    report.print_outcome(met, res["checks"], load)
     md = (
         f"# Router overhead {res['date']}\n\n"
         "One upstream (`sluice serve --threads 1 --parallel 8`, SmolLM2 135M) asked directly, "
@@ -565,10 +483,7 @@ def write_report(res: dict[str, Any], out_dir: Path) -> None:
         f"{LITELLM_VERSION}: streaming chat completions, temperature 0, `ignore_eos`, "
         f"{st['max_tokens']} tokens, {STREAMS} streams per measurement (one after the other at "
         f"1 stream, at once at 8), {st['rounds']} rounds, path order rotated each round.\n\n"
-        f"Machine: {mach['cpu_model']}, {mach['cores']} cores; Python {mach['python']}, "
-        f"llama-cpp-python {mach['llama_cpp_python']}; git {str(mach['git_commit'])[:10]}"
-        f"{' (src dirty)' if mach['git_dirty'] else ''}; load average {load['start']} -> "
-        f"{load['end']}.\n\n"
+        f"{report.machine_line(mach, load)}.\n\n"
         + (f"Note: {st['note']}\n\n" if st["note"] else "")
         + table(summary, markdown=True)
         + "\n\nTTFT = request sent -> first chunk with content; p50/p95 over all streams of "
@@ -584,9 +499,9 @@ def write_report(res: dict[str, Any], out_dir: Path) -> None:
         "Identical bytes (same request, temperature 0, seed 42, after a warm-up):\n\n"
         + "".join(f"- {line}\n" for line in ident_lines(ident))
         + "\nTargets (sluice, at 1 and 8 streams): "
-        + bench.targets_and_checks(met, res["checks"], st["reproduce"])
+        + report.targets_and_checks(met, res["checks"], st["reproduce"])
     )
-    bench.save_report(out_dir, f"router-{res['stamp']}", res, md)
+    report.save_report(out_dir, f"router-{res['stamp']}", res, md)
 
 
 def main() -> None:
@@ -600,7 +515,7 @@ def main() -> None:
     ap.add_argument("--quiet", type=float, default=0.3, help="noise threshold, in cores")
     ap.add_argument("--quiet-timeout", type=float, default=30.0)
     ap.add_argument("--max-retries", type=int, default=2, help="re-measure a disturbed group")
-    ap.add_argument("--out-dir", type=Path, default=HERE / "results")
+    ap.add_argument("--out-dir", type=Path, default=RESULTS)
     ap.add_argument("--note", default="", help="a note stored with the results")
     args = ap.parse_args()
     paths = tuple(p for p in PATHS if p == "direct" or p in args.paths.split(","))
@@ -611,7 +526,7 @@ def main() -> None:
     args.tokens = args.tokens or (16 if args.quick else 64)
     args.key = "sk-bench-" + secrets.token_hex(16)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    started, load_start = _dt.datetime.now().astimezone(), bench.loadavg()
+    started, load_start = report.now(), loadavg()
     print(f"router: rounds={args.rounds} tokens={args.tokens} paths={paths} load={load_start}")
     tmp = Path(tempfile.mkdtemp(prefix="sluice-router-"))
     print(f"router: configs and server logs in {tmp}", flush=True)
@@ -641,9 +556,9 @@ def main() -> None:
     }
     res = {
         "date": started.isoformat(timespec="seconds"),
-        "stamp": started.strftime("%Y-%m-%d-%H%M%S"),
-        "machine": bench.machine_info(),
-        "load_average": {"start": load_start, "end": bench.loadavg()},
+        "stamp": report.stamp(started),
+        "machine": machine_info(),
+        "load_average": {"start": load_start, "end": loadavg()},
         "settings": settings,
         "targets": TARGETS,
         "met": targets(summary, ident),

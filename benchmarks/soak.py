@@ -64,13 +64,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime as _dt
 import json
 import os
 import platform
 import random
 import re
-import signal
 import socket
 import statistics
 import struct
@@ -86,8 +84,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
-
-HERE = Path(__file__).resolve().parent
+from harness import RESULTS
+from harness.report import now, render_table, save_report, stamp
+from harness.servers import SLUICE, Server, free_port
 
 ERROR_KINDS = (
     "5xx",
@@ -996,59 +995,12 @@ async def client_loop(
 # ---------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_server(args: argparse.Namespace, log_path: Path) -> tuple[str, subprocess.Popen[bytes]]:
+def start_server(args: argparse.Namespace, log_path: Path) -> Server:
     """``sluice serve`` on a free port, output to ``log_path``; waits for /health."""
     port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "sluice",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--threads",
-        str(args.threads),
-        "--parallel",
-        str(args.parallel),
-        "--log-level",
-        "warning",
-        *args.server_arg,
-    ]
-    log = log_path.open("wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    log.close()  # the child has its own descriptor
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        if proc.poll() is not None:
-            sys.exit(f"soak: sluice exited with {proc.returncode}; see {log_path}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                return base, proc
-        if time.monotonic() > deadline:
-            proc.kill()
-            sys.exit(f"soak: sluice did not become healthy; see {log_path}")
-        time.sleep(0.2)
-
-
-def stop_server(proc: subprocess.Popen[bytes]) -> int | None:
-    if proc.poll() is not None:
-        return proc.returncode
-    proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
-        return None  # did not stop on SIGTERM
+    cmd = [*SLUICE, "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--threads", str(args.threads), "--parallel", str(args.parallel)]
+    return Server("sluice", [*cmd, "--log-level", "warning", *args.server_arg], port, log_path)
 
 
 def scan_log(path: Path | None) -> dict[str, Any]:
@@ -1190,7 +1142,7 @@ def summarize(
     if died:
         reasons.append("the server died")
     return {
-        "finished": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "finished": now().isoformat(timespec="seconds"),
         "config": {
             "minutes": args.minutes,
             "concurrency": args.concurrency,
@@ -1345,14 +1297,7 @@ def markdown(result: dict[str, Any]) -> str:
     for exc in result.get("server", {}).get("exceptions", []):
         out.append(f"| server exception | {exc['count']}x `{exc['line']}` |")
     rows = type_table(result)
-    out += [
-        "",
-        "## Per request type",
-        "",
-        "| " + " | ".join(rows[0]) + " |",
-        "|" + "---|" * len(rows[0]),
-    ]
-    out += ["| " + " | ".join(r) + " |" for r in rows[1:]]
+    out += ["", "## Per request type", "", render_table(rows[0], rows[1:], markdown=True)]
     if result["examples"]:
         out += ["", "## Examples of errors", ""]
         for kind, shown in result["examples"].items():
@@ -1408,23 +1353,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--out-dir",
         type=Path,
-        default=HERE / "results",
+        default=RESULTS,
         help="where soak-<date>.{json,md} go (default benchmarks/results)",
     )
     args = p.parse_args(argv)
     if args.seed is None:
         args.seed = random.randrange(2**31)
 
-    now = _dt.datetime.now().astimezone()
-    stamp = now.strftime("%Y-%m-%d-%H%M%S")
-    proc: subprocess.Popen[bytes] | None = None
+    started = now()
+    when = stamp(started)
+    server: Server | None = None
     log_path: Path | None = None
     if args.url:
         base, pid = args.url.rstrip("/"), args.pid
     else:
-        log_path = args.server_log or Path(tempfile.gettempdir()) / f"sluice-soak-{stamp}.log"
-        base, proc = start_server(args, log_path)
-        pid = proc.pid
+        log_path = args.server_log or Path(tempfile.gettempdir()) / f"sluice-soak-{when}.log"
+        server = start_server(args, log_path)
+        base, pid = server.base, server.pid
     print(
         f"soak: {base} (pid {pid}), {args.minutes:g} min, {args.concurrency} clients, "
         f"seed {args.seed}",
@@ -1432,11 +1377,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     exit_code: int | None = None
     try:
-        result = asyncio.run(soak(args, base, pid, proc))
+        result = asyncio.run(soak(args, base, pid, server.proc if server else None))
     finally:
-        if proc is not None:
-            exit_code = stop_server(proc)
-    result["started"] = now.isoformat(timespec="seconds")
+        if server is not None:
+            exit_code = server.close(timeout=30)
+    result["started"] = started.isoformat(timespec="seconds")
     result["server"] = {
         "url": base,
         "pid": pid,
@@ -1445,11 +1390,8 @@ def main(argv: list[str] | None = None) -> int:
         **scan_log(log_path),
     }
     print_report(result)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = args.out_dir / f"soak-{stamp}"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    stem.with_suffix(".md").write_text(markdown(result))
-    print(f"\nwrote {stem}.json and {stem}.md")
+    print()
+    save_report(args.out_dir, f"soak-{when}", result, markdown(result))
     return 0 if result["verdict"]["pass"] else 1
 
 

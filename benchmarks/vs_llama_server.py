@@ -1,10 +1,10 @@
 #!/usr/bin/env python
-"""sluice against llama.cpp's own ``llama-server`` on the same kernels (issue 11).
+"""sluice against llama.cpp's own ``llama-server`` on the same kernels.
 
 ``llama-server`` is built from the llama.cpp that the pinned llama-cpp-python vendors,
 with the flags ``./dev`` uses (``llama_server.py``; built once, cached), so the kernels
 are the ones sluice calls and every difference is the server around them. Everything
-runs on SmolLM2-135M-Instruct Q4_1 (``bench.model_path()``) with ``--threads`` (default
+runs on SmolLM2-135M-Instruct Q4_1 (``harness.model_path()``) with ``--threads`` (default
 2) for every process, one target at a time, in rounds: every server (and the raw worker)
 is started fresh for each round of each scenario, so that both servers get the same
 treatment. In the throughput scenario the three targets of a round stay up side by side
@@ -16,19 +16,19 @@ make a fair pair.
 1. **Throughput** at 1, 4 and 8 concurrent streams, 8 slots each, 4096 tokens of
    context per slot:
 
-   * raw: ``bench.py``'s raw worker (llama-cpp-python's low-level API, no server, no
+   * raw: the raw worker, ``harness/raw.py`` (llama-cpp-python's low-level API, no server, no
      HTTP: one ``llama_decode`` per step for all sequences, sluice's greedy chain);
    * llama-server: ``-t 2 -np 8 -c 32768 -b 512 -ub 512`` (``-c`` is the total over the
      slots; ``-b`` matches sluice's ``--batch``, ``--llama-batch 2048`` gives
      llama-server's own default);
    * sluice: ``python -m sluice serve --threads 2 --parallel 8 --ctx 4096 --batch 512``.
 
-   Both servers are driven by ``bench.py``'s client (one blocking socket and thread per
+   Both servers are driven by ``harness/client.py`` (one blocking socket and thread per
    stream): N streaming ``/v1/chat/completions`` requests sent at once, temperature 0,
    ``ignore_eos``, ``max_tokens`` = ``--tokens`` (default 128), the same distinct prompts
-   (``bench.make_messages``) for the three targets in a round. ``agg`` = completion
+   (``harness.prompts.make_messages``) for the three targets in a round. ``agg`` = completion
    tokens / wall time (first request sent -> last stream done); ``decode`` = tokens after
-   the first / time after the first token, summed over streams (``bench.sluice_run``
+   the first / time after the first token, summed over streams (``client.run_chat_streams``
    and ``RawEngine.run``). The report gives medians over rounds (the per-round values
    are in the JSON) and the ratios sluice / llama-server and each / raw.
 
@@ -47,7 +47,7 @@ make a fair pair.
    Figures: short TTFT p50 and max; gap p95 during the prefill / gap p95 alone; long
    TTFT / long TTFT alone (each ratio per round, then the median over rounds).
 
-Targets (issue 11), printed as met / not met: sluice >= 1.00x llama-server's aggregate
+Targets, printed as met / not met: sluice >= 1.00x llama-server's aggregate
 tok/s at 1, 4 and 8 streams (the median over every repetition of its ratio: the two
 servers run seconds apart, so a change of the machine's speed between repetitions
 does not count); sluice's short TTFT p50 <= 0.1x llama-server's; sluice's
@@ -75,30 +75,27 @@ minutes, cached).
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import importlib.util
 import itertools
 import json
 import math
-import os
 import random
 import shlex
 import shutil
 import signal
-import socket
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(HERE))
-import bench
-import conversation
-from llama_server import build_info, ensure_llama_server
+from harness import RESULTS, client, report
+from harness.llama_build import build_info, ensure_llama_server
+from harness.machine import Noise, loadavg, machine_info
+from harness.prompts import make_messages, paragraph
+from harness.raw import RawWorker
+from harness.servers import SLUICE, LlamaServer, Server, free_port, llama_server_cmd, models_env
+from harness.stats import med, pct, ratio, rotated
 
 TARGETS = ("raw", "llama-server", "sluice")
 SERVERS = ("llama-server", "sluice")
@@ -137,7 +134,7 @@ def short_messages(tag: int, i: int) -> list[dict[str, str]]:
 
 
 def long_messages(tag: int, words: int) -> list[dict[str, str]]:
-    text = conversation.paragraph(random.Random("vs-llama-server-long"), words)
+    text = paragraph(random.Random("vs-llama-server-long"), words)
     return [
         {"role": "system", "content": f"{tag}. You are a careful reader."},
         {
@@ -153,17 +150,14 @@ def long_messages(tag: int, words: int) -> list[dict[str, str]]:
 
 
 class RawTarget:
-    """bench.py's raw worker (no server, no HTTP) with the throughput scenario's context."""
+    """The raw worker (no server, no HTTP) with the throughput scenario's context."""
 
     name = "raw"
 
     def __init__(self, args: argparse.Namespace) -> None:
-        self.worker = bench.RawWorker(
-            argparse.Namespace(threads=args.threads, parallel=PARALLEL, ctx=CTX, batch=BATCH)
-        )
-        self.pid = self.worker.proc.pid
-        self.cmd = ["benchmarks/bench.py --_raw-worker", f"--threads {args.threads}"]
-        self.cmd += [f"--parallel {PARALLEL} --ctx {CTX} --batch {BATCH}"]
+        self.worker = RawWorker(args.threads, PARALLEL, CTX, BATCH)
+        self.pid = self.worker.pid
+        self.cmd = self.worker.cmd
 
     def run(self, convs: list[list[dict[str, str]]], tokens: int) -> dict[str, Any]:
         return self.worker.run(convs, tokens)
@@ -176,35 +170,33 @@ class RawTarget:
 
 
 class ServerTarget:
-    """llama-server or sluice, started fresh; driven by bench.py's client."""
+    """llama-server or sluice, started fresh; driven by the harness's client."""
 
     def __init__(self, name: str, parallel: int, args: argparse.Namespace, tag: str) -> None:
         self.name = name
-        port = bench.free_port()
+        port = free_port()
         log = args.tmp / f"{name}-{tag}.log"
+        self.srv: Server
         if name == "sluice":
-            cmd = [sys.executable, "-m", "sluice", "serve", "--threads", str(args.threads)]
+            cmd = [*SLUICE, "--threads", str(args.threads)]
             cmd += ["--parallel", str(parallel), "--ctx", str(CTX), "--batch", str(BATCH)]
             cmd += ["--store", str(args.tmp / f"store-{tag}.sqlite"), "--log-level", "warning"]
             cmd += ["--port", str(port), *shlex.split(args.sluice_args)]
-            env = {**os.environ, "SLUICE_MODELS_DIR": str(args.tmp / "models")}
-            self.srv = conversation.Proc(name, cmd, port, log, cwd=REPO, env=env)
+            self.srv = Server(name, cmd, port, log, env=models_env(args.tmp / "models"))
         else:
-            cmd = [str(args.llama_server), "-m", str(bench.model_path())]
-            cmd += ["-t", str(args.threads), "-np", str(parallel), "-c", str(parallel * CTX)]
-            cmd += ["-b", str(args.llama_batch), "-ub", str(BATCH)]
-            cmd += ["--host", "127.0.0.1", "--port", str(port)]
-            self.srv = conversation.Proc(name, cmd, port, log)
-        self.port, self.pid = port, self.srv.proc.pid
+            batch = ["-b", str(args.llama_batch), "-ub", str(BATCH)]
+            cmd = llama_server_cmd(args.llama_server, port, args.threads, parallel, CTX, *batch)
+            self.srv = LlamaServer(name, cmd, port, log)
+        self.port, self.pid = port, self.srv.pid
         self.cmd = [a.replace(str(args.tmp), "<tmp>") for a in cmd]
         if name == "sluice":
             self.cmd.insert(0, "SLUICE_MODELS_DIR=<tmp>/models")
 
     def run(self, convs: list[list[dict[str, str]]], tokens: int) -> dict[str, Any]:
-        return bench.sluice_run(self.srv, convs, tokens)  # works for any OpenAI server
+        return client.run_chat_streams(self.srv, convs, tokens)  # any OpenAI server
 
     def wait_idle(self) -> None:
-        self.srv.wait_idle()
+        self.srv.wait_idle(settle=0.1)
 
     def close(self) -> None:
         self.srv.close()
@@ -218,21 +210,11 @@ def measured(target: Any, args: argparse.Namespace, fn: Any) -> dict[str, Any]:
     """``fn()`` on an idle target and a quiet machine, with others' CPU during it."""
     target.wait_idle()
     time.sleep(0.3)  # the previous run's thread pool goes to sleep
-    noise = bench.Noise([target.pid])
-    before = noise.wait_quiet(args.quiet, args.quiet_timeout)
-    noise.start()
-    res = fn()
-    res["foreign_cores"] = noise.stop()
-    res["foreign_cores_before"] = before
-    return res
+    res, foreign, before = Noise([target.pid]).run(fn, args.quiet, args.quiet_timeout)
+    return res | {"foreign_cores": foreign, "foreign_cores_before": before}
 
 
 # --- scenario 1: throughput -------------------------------------------------------------
-
-
-def rotated(xs: tuple[str, ...], k: int) -> tuple[str, ...]:
-    k %= len(xs)
-    return xs[k:] + xs[:k]
 
 
 def throughput_round(args: argparse.Namespace, rnd: int) -> dict[str, list[dict[str, Any]]]:
@@ -250,10 +232,10 @@ def throughput_round(args: argparse.Namespace, rnd: int) -> dict[str, list[dict[
         for t in TARGETS:
             targets[t] = start_target(t, PARALLEL, args, f"throughput-round{rnd}")
         # Serials: (reps + 1) x len(LEVELS) per round, the same for every target in a
-        # repetition; bench.make_messages gives each serial 8 consecutive distinct tags.
+        # repetition; make_messages gives each serial 8 consecutive distinct tags.
         base = (rnd - 1) * (reps + 1) * len(LEVELS)
         for li, n in enumerate(LEVELS):
-            convs = [bench.make_messages(base + li, i) for i in range(n)]
+            convs = [make_messages(base + li, i) for i in range(n)]
             for t in rotated(TARGETS, rnd - 1):
                 targets[t].wait_idle()
                 targets[t].run(convs, 16)
@@ -271,7 +253,7 @@ def throughput_round(args: argparse.Namespace, rnd: int) -> dict[str, list[dict[
             }
             for li, n in enumerate(LEVELS):
                 serial = base + (rep + 1) * len(LEVELS) + li
-                convs = [bench.make_messages(serial, i) for i in range(n)]
+                convs = [make_messages(serial, i) for i in range(n)]
                 for t in order:
                     res = measured(
                         targets[t], args, lambda c=convs, t=t: targets[t].run(c, args.tokens)
@@ -294,48 +276,29 @@ def throughput_round(args: argparse.Namespace, rnd: int) -> dict[str, list[dict[
 # --- scenario 2: mixed load -------------------------------------------------------------
 
 
-def staggered(port: int, plan: list[tuple[float, bytes]]) -> list[bench.StreamResult]:
-    """Streams sent at the given offsets (s) from a common start; bench.py's client."""
-    socks = []
-    for _ in plan:  # connected before the clock
-        sock = socket.create_connection(("127.0.0.1", port))
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        socks.append(sock)
-    results = [bench.StreamResult() for _ in plan]
-    go = threading.Event()
-    go.set()
-    t0 = time.perf_counter() + 0.05
-
-    def one(i: int) -> None:
-        delay = t0 + plan[i][0] - time.perf_counter()
-        if delay > 0:
-            time.sleep(delay)
-        bench._one_stream(socks[i], "127.0.0.1", port, plan[i][1], go, results[i])
-
-    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(plan))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(900)
+def staggered(port: int, plan: list[tuple[float, bytes]]) -> list[client.Stream]:
+    """Chat streams (their bodies) sent at the given offsets (s) from a common start."""
+    reqs = [(at, client.http_post(port, client.CHAT, body)) for at, body in plan]
+    results = client.run_staggered(port, reqs, first=client.DELTA_RE, count=client.DELTA)
     for r in results:
         if not r.t_first or not r.t_done:
             sys.exit(f"vs_llama_server: a stream did not complete: {bytes(r.raw[:400])!r}")
     return results
 
 
-def token_times(r: bench.StreamResult) -> list[float]:
+def token_times(r: client.Stream) -> list[float]:
     """Arrival time of every content frame (frames read together share a time)."""
     return [t for t, k in r.reads for _ in range(k)]
 
 
-def gaps_ms(r: bench.StreamResult, before: float = math.inf) -> list[float]:
+def gaps_ms(r: client.Stream, before: float = math.inf) -> list[float]:
     """Inter-token gaps of a stream (ms) that start before ``before``."""
     ts = token_times(r)
     return [(b - a) * 1000 for a, b in itertools.pairwise(ts) if a < before]
 
 
-def stream_facts(r: bench.StreamResult) -> dict[str, Any]:
-    p = bench.parse_sse(r)
+def stream_facts(r: client.Stream) -> dict[str, Any]:
+    p = r.parse()
     u = p["usage"] or {}
     return {
         "ttft_ms": (r.t_first - r.t_send) * 1000,
@@ -355,13 +318,15 @@ def mixed_round(name: str, args: argparse.Namespace, rnd: int) -> dict[str, Any]
         return [
             (
                 at,
-                bench.chat_stream_body(short_messages(tag_of(first_tag + i), i), args.short_tokens),
+                client.chat_stream_body(
+                    short_messages(tag_of(first_tag + i), i), args.short_tokens
+                ),
             )
             for i, at in enumerate(offsets)
         ]
 
     def long(tag: int) -> tuple[float, bytes]:
-        return 0.0, bench.chat_stream_body(
+        return 0.0, client.chat_stream_body(
             long_messages(tag_of(tag), args.long_words), args.long_tokens
         )
 
@@ -369,7 +334,7 @@ def mixed_round(name: str, args: argparse.Namespace, rnd: int) -> dict[str, Any]
     try:
         # Warm-up: a prompt of more than one batch, then four short ones at once.
         warm = long_messages(tag_of(k), 500)
-        staggered(port, [(0.0, bench.chat_stream_body(warm, 4))])
+        staggered(port, [(0.0, client.chat_stream_body(warm, 4))])
         target.wait_idle()
         staggered(port, [(0.0, body) for _, body in shorts(k + 1)])
 
@@ -404,12 +369,12 @@ def mixed_round(name: str, args: argparse.Namespace, rnd: int) -> dict[str, Any]
     out |= {"alone_shorts": a, "alone_long": b, "mixed": m}
     s_ttft = [s["ttft_ms"] for s in m["shorts"]]
     out["figures"] = fig = {
-        "short_ttft_p50_ms": bench.pct(s_ttft, 50),
+        "short_ttft_p50_ms": pct(s_ttft, 50),
         "short_ttft_max_ms": max(s_ttft),
-        "short_ttft_alone_p50_ms": bench.pct([s["ttft_ms"] for s in a["shorts"]], 50),
-        "gap_p95_during_prefill_ms": bench.pct(m["gaps_ms_during_prefill"], 95),
+        "short_ttft_alone_p50_ms": pct([s["ttft_ms"] for s in a["shorts"]], 50),
+        "gap_p95_during_prefill_ms": pct(m["gaps_ms_during_prefill"], 95),
         "gaps_during_prefill": len(m["gaps_ms_during_prefill"]),
-        "gap_p95_alone_ms": bench.pct(a["gaps_ms"], 95),
+        "gap_p95_alone_ms": pct(a["gaps_ms"], 95),
         "long_ttft_ms": m["long"]["ttft_ms"],
         "long_ttft_alone_ms": b["long"]["ttft_ms"],
     }
@@ -430,12 +395,7 @@ def mixed_round(name: str, args: argparse.Namespace, rnd: int) -> dict[str, Any]
 # --- summary ----------------------------------------------------------------------------
 
 
-def ratio(a: float, b: float) -> float:
-    return a / b if b and not math.isnan(b) else math.nan
-
-
 def summarize(runs: dict[str, Any]) -> dict[str, Any]:
-    med = bench.med
     tp: dict[str, Any] = {}
     for n in map(str, LEVELS) if all(runs["throughput"][t] for t in TARGETS) else ():
         row: dict[str, Any] = {}
@@ -601,7 +561,7 @@ def throughput_table(summary: dict[str, Any], markdown: bool) -> str:
                 " / ".join(fmt(x[t]["cpu_ms_per_token"], ".2f") for t in TARGETS),
             ]
         )
-    return bench.render_table(head, rows, markdown)
+    return report.render_table(head, rows, markdown)
 
 
 MIXED_ROWS = [
@@ -635,7 +595,7 @@ def mixed_table(summary: dict[str, Any], markdown: bool) -> str:
     for label, key, spec in MIXED_ROWS:
         a, b = mx["sluice"][key], mx["llama-server"][key]
         rows.append([label, fmt(a, spec), fmt(b, spec), fmt(ratio(a, b), ".3f")])
-    return bench.render_table(head, rows, markdown)
+    return report.render_table(head, rows, markdown)
 
 
 def plot(res: dict[str, Any], path: Path) -> None:
@@ -728,11 +688,7 @@ def write_report(res: dict[str, Any], out_dir: Path) -> None:
     print(
         f"\n{throughput_table(summary, markdown=False)}\n\n{mixed_table(summary, markdown=False)}\n"
     )
-    for name, ok in met.items():
-        print(f"target {name}: {'met' if ok else 'NOT met'}")
-    print(f"load average: start {load['start']}, end {load['end']}")
-    for c in res["checks"]:
-        print("check:", c)
+    report.print_outcome(met, res["checks"], load)
     foreign = [
         x["foreign_cores"]
         for rs in res["runs"]["throughput"].values()
@@ -769,12 +725,9 @@ def write_report(res: dict[str, Any], out_dir: Path) -> None:
             else "the order of the targets rotates every round; "
         )
         + f"mixed: the two servers one after the other), {CTX} tokens of context per slot. The same client for both servers "
-        "(bench.py's: one blocking socket per stream, streaming `/v1/chat/completions`, "
+        "(the harness's: one blocking socket per stream, streaming `/v1/chat/completions`, "
         "temperature 0, `ignore_eos`).\n\n"
-        f"Machine: {mach['cpu_model']}, {mach['cores']} cores; {mach['platform']}; Python "
-        f"{mach['python']}, llama-cpp-python {mach['llama_cpp_python']}; git "
-        f"{str(mach['git_commit'])[:10]}{' (src dirty)' if mach['git_dirty'] else ''}; load "
-        f"average {load['start']} -> {load['end']}; others' CPU during a measurement at most "
+        f"{report.machine_line(mach, load, platform=True)}; others' CPU during a measurement at most "
         f"{max(foreign):.2f} cores.\n\n"
         "Commands:\n\n"
         f"- raw: `{' '.join(cmds['raw'])}` (no server, no HTTP)\n"
@@ -810,10 +763,10 @@ def write_report(res: dict[str, Any], out_dir: Path) -> None:
         "inter-token gaps that start before the long request's first token; alone = the same "
         "four requests, same schedule, without the long one. Medians over rounds of the "
         "per-round figures (per-round values in the JSON).\n\n"
-        "## Targets\n\n" + bench.targets_and_checks(met, res["checks"], st["reproduce"])
+        "## Targets\n\n" + report.targets_and_checks(met, res["checks"], st["reproduce"])
     )
     out_dir.mkdir(parents=True, exist_ok=True)
-    bench.save_report(out_dir, stem, res, md)
+    report.save_report(out_dir, stem, res, md)
     png = out_dir / f"{stem}.png"
     plot(res, png)
     shutil.copyfile(png, out_dir / "vs-llama-server-latest.png")
@@ -856,7 +809,7 @@ def main() -> None:
     ap.add_argument(
         "--sluice-args", default="", help="more arguments for sluice serve (a settings A/B)"
     )
-    ap.add_argument("--out-dir", type=Path, default=HERE / "results")
+    ap.add_argument("--out-dir", type=Path, default=RESULTS)
     ap.add_argument("--note", default="", help="a note stored with the results")
     ap.add_argument("--report", type=Path, help="rewrite the .md and .png of a results .json")
     args = ap.parse_args()
@@ -887,7 +840,7 @@ def main() -> None:
     args.llama_server = ensure_llama_server()  # built (once) before anything is timed
     args.tmp = Path(tempfile.mkdtemp(prefix="sluice-vs-llama-server-"))
     (args.tmp / "models").mkdir()
-    started, load_start = _dt.datetime.now().astimezone(), bench.loadavg()
+    started, load_start = report.now(), loadavg()
     print(
         f"vs_llama_server: rounds={args.rounds} threads={args.threads} tokens={args.tokens} "
         f"load={load_start}; logs in {args.tmp}",
@@ -924,11 +877,11 @@ def main() -> None:
     summary = summarize(runs)
     res = {
         "date": started.isoformat(timespec="seconds"),
-        "stamp": started.strftime("%Y-%m-%d-%H%M%S"),
-        "finished": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "machine": bench.machine_info(),
+        "stamp": report.stamp(started),
+        "finished": report.now().isoformat(timespec="seconds"),
+        "machine": machine_info(),
         "llama_server_build": build_info(args.llama_server),
-        "load_average": {"start": load_start, "end": bench.loadavg()},
+        "load_average": {"start": load_start, "end": loadavg()},
         "settings": {
             "rounds": args.rounds,
             "reps": args.reps,
@@ -962,10 +915,7 @@ def main() -> None:
             print("\n" + throughput_table(summary, markdown=False))
         else:
             print("\n" + mixed_table(summary, markdown=False))
-        for name, ok in res["met"].items():
-            print(f"target {name}: {'met' if ok else 'NOT met'}")
-        for c in res["checks"]:
-            print("check:", c)
+        report.print_outcome(res["met"], res["checks"])
         args.out_dir.mkdir(parents=True, exist_ok=True)
         path = args.out_dir / f"vs-llama-server-{res['stamp']}-{args.only}.json"
         path.write_text(json.dumps(res, indent=1))
