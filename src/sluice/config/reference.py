@@ -17,19 +17,25 @@ def markdown() -> str:
     lines = [
         "# Configuration",
         "",
-        ("<!-- Generated from src/sluice/config/settings.py by "
-        "`python -m sluice.config.reference`; edit the settings, not this file. -->"),
+        (
+            "<!-- Generated from src/sluice/config/settings.py by "
+            "`python -m sluice.config.reference`; edit the settings, not this file. -->"
+        ),
         "",
-        ("Every setting of `sluice serve` is a flag and an environment variable. A flag wins "
-        "over the environment, which wins over the default:"),
+        (
+            "Every setting of `sluice serve` is a flag and an environment variable. A flag wins "
+            "over the environment, which wins over the default:"
+        ),
         "",
         "```sh",
         "SLUICE_PORT=9000 sluice serve --ctx 8192",
         "```",
         "",
-        ("The config file (`--config`) holds what does not fit in a flag: the models "
-        "(`[[models]]`, [models](models.md)), the upstream servers (`[[upstreams]]`, "
-        "[upstreams](upstreams.md)) and the API keys (`[keys]`, [API keys](api-keys.md))."),
+        (
+            "The config file (`--config`) holds what does not fit in a flag: the models "
+            "(`[[models]]`, [models](models.md)), the upstream servers (`[[upstreams]]`, "
+            "[upstreams](upstreams.md)) and the API keys (`[keys]`, [API keys](api-keys.md))."
+        ),
     ]
     by_group = {
         key: [f for f in fields(Settings) if f.metadata["group"] == key] for key, *_ in GROUPS

@@ -181,8 +181,7 @@ class Settings:
     stream_buffer: int = setting(
         256,
         "streaming",
-        "engine steps of output held for a client that is not reading; then its generation "
-        "pauses",
+        "engine steps of output held for a client that is not reading; then its generation pauses",
     )
     stall_timeout: float = setting(
         60.0,
@@ -206,8 +205,7 @@ class Settings:
     max_grammar_repeat: int = setting(
         4096,
         "limits",
-        "sum of the repetition bounds (maxLength, maxItems, ...) a constraint grammar may "
-        "expand",
+        "sum of the repetition bounds (maxLength, maxItems, ...) a constraint grammar may expand",
     )
     max_grammar_alternatives: int = setting(
         32,
@@ -220,7 +218,7 @@ class Settings:
     mcp_config: str | None = setting(
         None,
         "tools",
-        "an mcp.json ({\"mcpServers\": {label: {command, args, env} | {url, headers}}}): "
+        'an mcp.json ({"mcpServers": {label: {command, args, env} | {url, headers}}}): '
         "the servers requests name as plugin 'mcp/<label>'",
         shown="none",
     )
@@ -233,8 +231,7 @@ class Settings:
     allow_ephemeral_mcp: bool = setting(
         False,
         "tools",
-        "let requests name MCP servers by URL (public addresses only unless "
-        "--mcp-allow-private)",
+        "let requests name MCP servers by URL (public addresses only unless --mcp-allow-private)",
     )
     mcp_allowed_hosts: str | None = setting(
         None,

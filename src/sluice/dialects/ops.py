@@ -14,8 +14,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from sluice.core.model import ModelSpec
 from sluice.local.model import LocalModel
-from sluice.models.catalog import ModelSpec
 from sluice.models.files import ModelFile, read_all_model_files, reasoning_capability
 from sluice.models.registry import ModelStatus
 from sluice.server.sse import dumps, json_response

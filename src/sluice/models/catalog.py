@@ -217,9 +217,6 @@ def models_of(config: ConfigFile) -> list[ModelSpec]:
     return specs
 
 
-
-
-
 class _Entry:
     """One ``[[models]]`` table being checked; errors name the file, entry and key."""
 

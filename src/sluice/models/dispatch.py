@@ -28,11 +28,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from sluice.core.backend import Backend, ResponseStream
+from sluice.core.backend import Backend, LoadOptions, Progress, ResponseStream
 from sluice.core.errors import SluiceError, spec_for
 from sluice.core.request import GenerationRequest
 from sluice.metrics import Metrics, metered
-from sluice.models.registry import LoadOptions, ModelRegistry, Progress
+from sluice.models.registry import ModelRegistry
 from sluice.upstream.backend import UpstreamModel, UpstreamSlot
 
 log = logging.getLogger("sluice.router")

@@ -18,7 +18,8 @@ from typing import Any
 
 from sluice.config import Settings
 from sluice.core.errors import ModelLoadFailed, SluiceError
-from sluice.models.catalog import ModelSpec, resolve_source
+from sluice.core.model import ModelSpec
+from sluice.models.catalog import resolve_source
 from sluice.models.gguf import GgufError, GgufInfo, read_gguf_info
 from sluice.parsers.registry import detect_reasoning
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Protocol, TypeVar
 
 from sluice.core.errors import InsufficientMemory, ModelTooLarge, ServerBusy
-from sluice.models.catalog import ModelSpec
+from sluice.core.model import ModelSpec
 
 # A model in use is usually idle again within one response: worth a retry soon.
 RETRY_AFTER = 5

@@ -45,8 +45,8 @@ from sluice.core.errors import (
     ShuttingDown,
     SluiceError,
 )
+from sluice.core.model import ModelSpec
 from sluice.local.offload import post_to_loop, run_in_thread
-from sluice.models.catalog import ModelSpec
 from sluice.models.memory import RETRY_AFTER, mem_available, plan_room
 
 log = logging.getLogger("sluice.registry")

@@ -20,16 +20,17 @@ from starlette.requests import Request
 
 from sluice.config import Settings, default_models_dir
 from sluice.config.file import ConfigFile
+from sluice.core.backend import LoadOptions, Progress
+from sluice.core.model import ModelSpec
 from sluice.engine.runner import ModelRunner
 from sluice.local.model import LocalModel, ModelSettings
 from sluice.local.offload import Offload
 from sluice.metrics import Metrics
 from sluice.models import catalog
-from sluice.models.catalog import ModelSpec
 from sluice.models.dispatch import Dispatcher
 from sluice.models.downloads import DownloadManager
 from sluice.models.gguf import estimate_memory, read_gguf_info
-from sluice.models.registry import LoadOptions, ModelRegistry, Progress
+from sluice.models.registry import ModelRegistry
 from sluice.server.jsonbody import BodyLimits
 from sluice.store import ConversationStore
 from sluice.tools.mcp import McpManager

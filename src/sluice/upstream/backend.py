@@ -184,7 +184,9 @@ class UpstreamStream:
                 UpstreamFailed("The upstream cut the stream in the middle of an event.")
             )
             return
-        for event in self._decoder.end():  # a clean end without [DONE] (some servers' chunk schema allows it)
+        for event in (
+            self._decoder.end()
+        ):  # a clean end without [DONE] (some servers' chunk schema allows it)
             yield event
 
     async def aclose(self) -> None:

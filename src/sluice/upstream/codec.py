@@ -298,7 +298,8 @@ class ChunkDecoder:
     def _choice(self, item: Any, out: list[Event]) -> None:
         if not isinstance(item, dict):
             raise _Malformed(f"a choice is a JSON {_kind(item)}, not an object")
-        index = item.get("index", 0)  # servers of the envelope-error chunk schema may leave it out (always 0)
+        # Servers of the envelope-error chunk schema may leave it out (always 0).
+        index = item.get("index", 0)
         if not isinstance(index, int) or isinstance(index, bool) or index < 0:
             raise _Malformed(f"a choice's index is {index!r}")
         state = self._choices.get(index)

@@ -56,7 +56,6 @@ _OWN_FIELDS = ("message", "conversation_id", "user_id")
 MAX_PAGE = 100
 
 
-
 @dataclass(slots=True)
 class _Turn:
     """A ``/c1/chat`` body: the new message, where it goes, the rest as a chat request."""

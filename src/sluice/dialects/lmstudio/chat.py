@@ -40,7 +40,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from sluice.core.backend import ResponseStream
+from sluice.core.backend import LoadOptions, ResponseStream
 from sluice.core.errors import (
     IntegrationNotAllowed,
     MissingChatTemplate,
@@ -53,12 +53,11 @@ from sluice.core.errors import (
 from sluice.core.events import ErrorEvent, Event, Progress
 from sluice.core.request import GenerationRequest
 from sluice.dialects.lmstudio.format import LMStudioChatFormatter
-from sluice.dialects.lmstudio.routes import _lms_error_response, _lmstudio, read_model_file
+from sluice.dialects.lmstudio.routes import _lms_error_response, _lmstudio
 from sluice.dialects.lmstudio.schema import ChatRequest, parse, reasoning_switch
 from sluice.local.model import LocalModel
 from sluice.models.dispatch import SlotLease
-from sluice.models.files import reasoning_capability
-from sluice.models.registry import LoadOptions
+from sluice.models.files import read_model_file, reasoning_capability
 from sluice.server.auth import key_name
 from sluice.server.body import read_request_body
 from sluice.server.jsonbody import parse_json_body
@@ -76,7 +75,6 @@ log = logging.getLogger("sluice.api")
 RESPONSE_PREFIX = "resp_"
 # Load progress is a per-mille count in Progress events (done/total).
 _PERMILLE = 1000
-
 
 
 def new_response_id() -> str:

@@ -36,6 +36,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from sluice.config import Settings
+from sluice.core.backend import LoadOptions
 from sluice.core.errors import (
     InternalError,
     InvalidRequest,
@@ -45,20 +46,20 @@ from sluice.core.errors import (
     lmstudio_error_body,
     spec_for,
 )
+from sluice.core.model import ModelSpec
 from sluice.dialects.lmstudio.schema import (
     DownloadModelRequest,
     LoadModelRequest,
     UnloadModelRequest,
     parse,
 )
-from sluice.models.catalog import ModelSpec
 from sluice.models.files import (
     ModelFile,
     read_all_model_files,
     read_model_file,
     reasoning_capability,
 )
-from sluice.models.registry import LoadOptions, ModelStatus
+from sluice.models.registry import ModelStatus
 from sluice.server.body import read_body
 from sluice.server.jsonbody import parse_json_body
 from sluice.server.sse import json_response
@@ -86,7 +87,6 @@ class InstanceNotLoaded(ModelNotFound):
 
 
 # -- plumbing ---------------------------------------------------------------------------
-
 
 
 def _lms_error_response(exc: SluiceError) -> Response:

@@ -13,6 +13,7 @@ from starlette.responses import Response
 
 from sluice.core.errors import ModelNotFound, SluiceError
 from sluice.core.fold import Fold
+from sluice.core.model import ModelSpec
 from sluice.core.request import GenerationRequest
 from sluice.dialects.openai.format import (
     ChatStreamFormatter,
@@ -23,7 +24,6 @@ from sluice.dialects.openai.format import (
 )
 from sluice.dialects.openai.schema import ChatCompletionRequest, CompletionRequest
 from sluice.local.model import LocalModel
-from sluice.models.catalog import ModelSpec
 from sluice.models.dispatch import UpstreamTarget
 from sluice.models.registry import ModelStatus
 from sluice.server.body import read_request_body
@@ -48,8 +48,6 @@ from sluice.server.state import ServerState, server_state
 from sluice.upstream.backend import slot_header, upstream_context
 
 log = logging.getLogger("sluice.api")
-
-
 
 
 async def chat_completions(request: Request) -> Response:
