@@ -1,14 +1,62 @@
-"""The whole suite's data folder ($XDG_DATA_HOME) is a fresh temporary one.
+"""The whole suite's data folder, and the real servers the real-model tests share.
 
-Servers started by the tests (in-process or as processes, which inherit the
-environment) keep their conversations database and default models folder
-there, never in the user's own ``~/.local/share/sluice``.
+The data folder ($XDG_DATA_HOME) is a fresh temporary one. Servers started by
+the tests (in-process or as processes, which inherit the environment) keep
+their conversations database and default models folder there, never in the
+user's own ``~/.local/share/sluice``.
+
+The real-model tests (marker ``integration``, modules named ``*_real_model.py``)
+share one SmolLM2 server for the whole session (``--parallel 4 --ctx 2048``)
+and, only when a test asks for it, a second small-context server (``--ctx
+256``). Every server gets ``real_server.QUIET`` (one llama.cpp thread, log
+level warning). Each test starts on an idle server (``wait_idle``), so a test
+that leaked a busy slot fails loudly instead of skewing the next one.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterator
+
+import pytest
+from openai import AsyncOpenAI, OpenAI
+
+from tests.support.real_server import QUIET, wait_idle
+from tests.support.servers import serve_process
 
 _data_home = tempfile.TemporaryDirectory(prefix="sluice-test-data-")
 os.environ["XDG_DATA_HOME"] = _data_home.name
+
+
+@pytest.fixture(scope="session")
+def base() -> Iterator[str]:
+    with serve_process("--parallel", "4", "--ctx", "2048", *QUIET) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def small_base() -> Iterator[str]:
+    """A second server whose context is only 256 tokens per sequence."""
+    with serve_process("--parallel", "1", "--ctx", "256", *QUIET) as url:
+        yield url
+
+
+@pytest.fixture
+def client(base: str) -> Iterator[OpenAI]:
+    wait_idle(base, within=10)  # no test starts on slots a previous one left busy
+    with OpenAI(base_url=f"{base}/v1", api_key="not-needed", max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture
+def aclient(base: str) -> AsyncOpenAI:
+    wait_idle(base, within=10)
+    return AsyncOpenAI(base_url=f"{base}/v1", api_key="not-needed", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def model_id(base: str) -> str:
+    import httpx
+
+    return str(httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"])

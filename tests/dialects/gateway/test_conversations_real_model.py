@@ -1,0 +1,203 @@
+"""Server-side conversations (/c1) on the real model, through the official SDK and raw HTTP."""
+
+from __future__ import annotations
+
+import signal
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from openai import OpenAI, Stream
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from tests.support.real_server import QUIET, parse_sse
+from tests.support.servers import serve_process_handle
+
+pytestmark = pytest.mark.integration
+
+ALICE, BOB = "alice-key-0123456789", "bob-key-0123456789"
+KEYS = {"SLUICE_API_KEYS": f"alice:{ALICE},bob:{BOB}"}
+
+
+def _auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@pytest.fixture(scope="module")
+def store() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory() as tmp:
+        yield Path(tmp) / "conversations.db"
+
+
+@pytest.fixture(scope="module")
+def server(store: Path) -> Iterator[str]:
+    with serve_process_handle("--store", str(store), *QUIET, env=KEYS) as (url, _):
+        yield url
+
+
+def turn(base: str, key: str, message: Any, **extra: Any) -> httpx.Response:
+    body = {"model": "smollm2", "message": message, "max_tokens": 8, "temperature": 0, **extra}
+    return httpx.post(f"{base}/c1/chat", json=body, headers=_auth(key), timeout=60)
+
+
+def test_a_conversation_through_the_official_sdk(server: str) -> None:
+    client = OpenAI(base_url=server, api_key=ALICE)
+    first = client.post(
+        "/c1/chat",
+        cast_to=httpx.Response,
+        body={"model": "smollm2", "message": "My name is Ada.", "max_tokens": 8, "temperature": 0},
+    )
+    conversation = first.headers["x-conversation-id"]
+    answer = ChatCompletion.model_validate(first.json())
+    assert answer.choices[0].message.content
+
+    stream = client.post(
+        "/c1/chat",
+        cast_to=ChatCompletion,
+        body={
+            "model": "smollm2",
+            "message": "What is my name?",
+            "conversation_id": conversation,
+            "max_tokens": 8,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+        stream=True,
+        stream_cls=Stream[ChatCompletionChunk],
+    )
+    assert stream.response.headers["x-conversation-id"] == conversation
+    chunks = list(stream)
+    second = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    # The second turn was templated over the whole history: more prompt than its own text.
+    usage = chunks[-1].usage
+    assert usage is not None and usage.prompt_tokens > first.json()["usage"]["prompt_tokens"]
+
+    stored = httpx.get(f"{server}/c1/conversations/{conversation}", headers=_auth(ALICE)).json()
+    messages = stored["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
+    assert messages[0]["content"] == "My name is Ada."
+    assert messages[1]["content"] == answer.choices[0].message.content
+    assert messages[3]["content"] == second
+    assert all(m["status"] == "complete" for m in messages)
+    assert messages[2]["parent_id"] == messages[1]["id"]
+
+
+def test_the_header_is_on_every_answer_and_unknown_ids_are_404(server: str) -> None:
+    r = turn(server, ALICE, "Hello", stream=True)
+    assert r.status_code == 200 and r.headers["x-conversation-id"].startswith("conv_")
+    assert parse_sse(r.content)[-1].data == "[DONE]"
+    for stream in (False, True):
+        r = turn(server, ALICE, "Hi", conversation_id="conv_nope", stream=stream)
+        assert r.status_code == 404
+        assert r.json()["error"]["code"] == "conversation_not_found"
+
+
+def test_keys_and_users_never_see_each_others_conversations(server: str) -> None:
+    mine = turn(server, ALICE, "secret", user_id="u1").headers["x-conversation-id"]
+    for key, user in ((BOB, "u1"), (ALICE, "u2"), (ALICE, None)):
+        params = {"user_id": user} if user else {}
+        got = httpx.get(f"{server}/c1/conversations/{mine}", headers=_auth(key), params=params)
+        assert got.status_code == 404, (key, user)
+        assert got.json()["error"]["code"] == "conversation_not_found"
+        r = turn(server, key, "hi", conversation_id=mine, **({"user_id": user} if user else {}))
+        assert r.status_code == 404
+        listed = httpx.get(f"{server}/c1/conversations", headers=_auth(key), params=params).json()
+        assert mine not in [c["id"] for c in listed["data"]]
+        deleted = httpx.delete(f"{server}/c1/conversations/{mine}", headers=_auth(key))
+        assert deleted.status_code == 404
+    own = httpx.get(
+        f"{server}/c1/conversations/{mine}", headers=_auth(ALICE), params={"user_id": "u1"}
+    )
+    assert own.status_code == 200
+    assert httpx.get(f"{server}/c1/conversations").status_code == 401
+
+
+def test_pagination_newest_first(server: str) -> None:
+    made = [
+        turn(server, BOB, f"note {i}", user_id="pager", max_tokens=1).headers["x-conversation-id"]
+        for i in range(5)
+    ]
+    seen: list[str] = []
+    for offset in (0, 2, 4):
+        page = httpx.get(
+            f"{server}/c1/conversations",
+            headers=_auth(BOB),
+            params={"limit": 2, "offset": offset, "user_id": "pager"},
+        ).json()
+        assert page["total"] == 5
+        assert page["has_more"] == (offset + 2 < 5)
+        seen += [c["id"] for c in page["data"]]
+    assert seen == made[::-1]
+    pager = {"user_id": "pager"}
+    url = f"{server}/c1/conversations/{made[0]}"
+    assert httpx.delete(url, headers=_auth(BOB)).status_code == 404  # not without its user
+    assert httpx.delete(url, headers=_auth(BOB), params=pager).json()["deleted"] is True
+    assert httpx.get(url, headers=_auth(BOB), params=pager).status_code == 404
+
+
+def test_a_stream_the_client_dropped_is_stored_incomplete(server: str) -> None:
+    body = {
+        "model": "smollm2",
+        "message": "Write a long story.",
+        "max_tokens": 300,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream(
+        "POST", f"{server}/c1/chat", json=body, headers=_auth(ALICE), timeout=60
+    ) as r:
+        conversation = r.headers["x-conversation-id"]
+        received = b""
+        for chunk in r.iter_raw():
+            received += chunk
+            if received.count(b'"content"') >= 4:
+                break
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        got = httpx.get(f"{server}/c1/conversations/{conversation}", headers=_auth(ALICE)).json()
+        if len(got["messages"]) == 2:
+            break
+        time.sleep(0.05)
+    user, answer = got["messages"]
+    assert user["content"] == "Write a long story." and user["status"] == "complete"
+    assert answer["status"] == "incomplete"
+    assert answer["content"]  # what was generated before the client left is kept
+
+
+def test_nothing_acknowledged_is_lost_when_the_server_is_killed() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        db = str(Path(tmp) / "kill.db")
+        with serve_process_handle("--store", db, *QUIET, env=KEYS) as (url, proc):
+            first = turn(url, ALICE, "Remember the number 7.")
+            conversation = first.headers["x-conversation-id"]
+            answer = first.json()["choices"][0]["message"]["content"]
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+        with serve_process_handle("--store", db, *QUIET, env=KEYS) as (url, _):
+            got = httpx.get(f"{url}/c1/conversations/{conversation}", headers=_auth(ALICE)).json()
+            assert [m["content"] for m in got["messages"]] == ["Remember the number 7.", answer]
+            r = turn(url, ALICE, "Which number?", conversation_id=conversation)
+            assert r.status_code == 200
+            got = httpx.get(f"{url}/c1/conversations/{conversation}", headers=_auth(ALICE)).json()
+            assert len(got["messages"]) == 4
+
+
+def test_bad_input_is_a_clear_error_and_stores_nothing(server: str) -> None:
+    before = httpx.get(f"{server}/c1/conversations", headers=_auth(ALICE)).json()["total"]
+    for body, param in (
+        ({"model": "smollm2"}, "message"),
+        ({"model": "smollm2", "message": "x", "messages": []}, "messages"),
+        ({"model": "smollm2", "message": 5}, "message"),
+        ({"model": "smollm2", "message": "x", "temperature": 9}, "temperature"),
+        ({"model": "smollm2", "message": "x", "n": 2}, "n"),
+    ):
+        r = httpx.post(f"{server}/c1/chat", json=body, headers=_auth(ALICE))
+        assert r.status_code == 400, body
+        assert r.json()["error"]["param"] == param
+    after = httpx.get(f"{server}/c1/conversations", headers=_auth(ALICE)).json()["total"]
+    assert after == before

@@ -1,0 +1,125 @@
+"""Greedy sampling without a llama.cpp chain (an argmax over the logits) picks exactly the
+token llama.cpp's own greedy + logit-bias samplers pick, on the real model."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from sluice.core.request import SamplingParams
+from sluice.engine.llama_runner import LlamaRunner, _Chain
+from sluice.engine.runner import BatchEntry
+from tests.support.llama import real_runner
+
+
+def llama_greedy_chain(runner: LlamaRunner, biases: list[tuple[int, float]]) -> _Chain:
+    """llama.cpp's logit_bias + greedy samplers, built by hand."""
+    L: Any = runner._L
+    chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+    if biases:
+        arr = (L.llama_logit_bias * len(biases))()
+        for i, (token, bias) in enumerate(biases):
+            arr[i].token, arr[i].bias = token, bias
+        L.llama_sampler_chain_add(
+            chain, L.llama_sampler_init_logit_bias(runner.n_vocab, len(biases), arr)
+        )
+    L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
+    return _Chain(chain)
+
+
+@pytest.fixture(scope="module")
+def runner() -> Any:
+    with real_runner() as r:
+        yield r
+
+
+def test_greedy_without_a_chain_matches_llamas_greedy(runner: LlamaRunner) -> None:
+    text = "Once upon a time, in a land far away, there lived a fox who " * 6
+    prompt = runner.tokenize(text, add_special=True)[:300]
+    runner.decode([BatchEntry(0, prompt, 0, True, True)])  # logits for every row
+    greedy = SamplingParams(temperature=0.0)
+    # The argmax of the row (by construction of the text, often " fox", " a", ...) is
+    # biased away below, so the bias decides the token in many rows.
+    top = runner.sample(runner.new_sampler(greedy, prompt), 5)
+    cases = [
+        greedy,
+        dataclasses.replace(greedy, ignore_eos=True),
+        dataclasses.replace(greedy, logit_bias=((top, -100.0), (13, 3.0), (13, 2.5))),
+        dataclasses.replace(greedy, logit_bias=((top, float("-inf")),), ignore_eos=True),
+    ]
+    try:
+        for params in cases:
+            fast = runner.new_sampler(params, prompt)
+            assert fast.ptr is None  # no llama.cpp chain: the argmax path
+            biases = list(params.logit_bias)
+            if params.ignore_eos:
+                biases += [(t, float("-inf")) for t in runner._eog_tokens()]
+            chain = llama_greedy_chain(runner, biases)
+            mine = [runner.sample(fast, row) for row in range(len(prompt))]
+            theirs = [runner.sample(chain, row) for row in range(len(prompt))]
+            runner.free_sampler(chain)
+            assert mine == theirs, params
+        assert runner.sample(runner.new_sampler(cases[2], prompt), 5) != top
+    finally:
+        runner.keep_prefix(0, 0)
+
+
+def test_stateful_or_random_sampling_keeps_llamas_chain(runner: LlamaRunner) -> None:
+    for params in (
+        SamplingParams(temperature=0.7, seed=1),
+        SamplingParams(temperature=0.0, repeat_penalty=1.3),
+        SamplingParams(temperature=0.0, grammar='root ::= "a"'),
+    ):
+        sampler = runner.new_sampler(params, [1, 2, 3])
+        assert sampler.ptr is not None, params
+        runner.free_sampler(sampler)
+
+
+def test_a_quiet_prompt_chunk_goes_in_a_decode_of_its_own() -> None:
+    """A paced chunk (no logits wanted) beside generating sequences: llama.cpp would give it
+    one token in their ubatch and run the other 63 rows below the attention's 64-row tile.
+    In a call of its own it is whole tiles; the other rows' logits are read where that
+    second call put them."""
+    with real_runner(n_parallel=3) as runner:
+        _quiet_chunk_alone(runner)
+
+
+def _quiet_chunk_alone(runner: LlamaRunner) -> None:
+    text = "The river ran past the mill and the baker's house, then under the bridge. " * 12
+    prompt = runner.tokenize(text, add_special=True)
+    for seq in (1, 2):
+        runner.keep_prefix(seq, 0)
+        runner.decode([BatchEntry(seq, prompt[: 40 + seq], 0, True)])
+    gen = [BatchEntry(seq, [prompt[40 + seq]], 40 + seq, True) for seq in (1, 2)]
+    runner.decode(gen)  # the reference: the generating rows alone
+    alone = [runner._logits(row).copy() for row in (0, 1)]
+    for seq in (1, 2):
+        runner.keep_prefix(seq, 40 + seq)
+    runner.keep_prefix(0, 0)
+    calls: list[int] = []
+    L: Any = runner._L
+    decode = L.llama_decode
+
+    def counting(ctx: Any, batch: Any) -> int:
+        calls.append(int(batch.n_tokens))
+        return int(decode(ctx, batch))
+
+    chunk = BatchEntry(0, prompt[:64], 0, False)
+    L.llama_decode = counting
+    try:
+        runner.decode([chunk, *gen])  # rows 64 and 65 of the step's batch
+    finally:
+        L.llama_decode = decode
+    assert calls == [64, 2]
+    for row, want in zip((64, 65), alone, strict=True):
+        assert (runner._logits(runner._rows[row]) == want).all()  # type: ignore[index]
+        assert runner.sample(runner.new_sampler(SamplingParams(temperature=0.0), []), row) == int(
+            want.argmax()
+        )
+    # A step without such a chunk is one call, its rows as they are.
+    runner.keep_prefix(0, 64)
+    runner.keep_prefix(1, 41)
+    runner.decode([BatchEntry(0, prompt[64:70], 64, True), gen[0]])
+    assert runner._rows is None

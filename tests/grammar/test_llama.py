@@ -1,0 +1,150 @@
+"""The grammars sluice writes, compiled and run by the real llama.cpp (SmolLM2's vocabulary).
+
+llama.cpp is the only judge of GBNF that counts: each grammar here must
+compile (a grammar it rejects is a failed request), quickly, and accept
+exactly the JSON text it should, fed one single-byte token at a time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import re
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from sluice.core.request import SamplingParams
+from sluice.engine.llama_runner import LlamaRunner
+from sluice.grammar import (
+    DEFAULT_MAX_REPEAT,
+    CallFraming,
+    ToolSpec,
+    json_schema_grammar,
+    tool_call_grammar,
+)
+from tests.support.llama import real_runner
+
+
+class Judge:
+    """Compiles a grammar in llama.cpp and asks it whether a text is a complete sentence."""
+
+    def __init__(self, runner: LlamaRunner) -> None:
+        import llama_cpp
+
+        self.L: Any = llama_cpp
+        self.runner = runner
+        self.byte_token: dict[int, int] = {}
+        for t in range(runner.n_vocab):
+            piece = runner.token_bytes(t)
+            if len(piece) == 1:
+                self.byte_token.setdefault(piece[0], t)
+        self.eos = next(t for t in range(runner.n_vocab) if runner.is_eog(t))
+
+    def compile_seconds(self, grammar: str) -> float:
+        t = time.perf_counter()
+        chain = self.runner.new_sampler(SamplingParams(grammar=grammar, temperature=0), [])
+        seconds = time.perf_counter() - t
+        self.runner.free_sampler(chain)
+        return seconds
+
+    def accepts(self, grammar: str, text: str) -> bool:
+        L = self.L
+        chain = self.runner.new_sampler(SamplingParams(grammar=grammar, temperature=0), [])
+        try:
+            cells = (L.llama_token_data * 2)()
+
+            def allowed(token: int) -> bool:
+                cells[0].id, cells[0].logit, cells[0].p = token, 1.0, 0.0
+                cells[1].id, cells[1].logit, cells[1].p = self.eos, 0.0, 0.0
+                arr = L.llama_token_data_array(cells, 2, -1, False)
+                L.llama_sampler_apply(chain.ptr, ctypes.byref(arr))
+                return bool(cells[0].logit != float("-inf"))
+
+            for byte in text.encode():
+                token = self.byte_token[byte]
+                if not allowed(token):
+                    return False
+                L.llama_sampler_accept(chain.ptr, token)
+            return allowed(self.eos)
+        finally:
+            self.runner.free_sampler(chain)
+
+
+@pytest.fixture(scope="module")
+def judge() -> Iterator[Judge]:
+    with real_runner() as runner:
+        yield Judge(runner)
+
+
+def _field(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "object", "properties": {"x": schema}, "required": ["x"]}
+
+
+def test_integer_bounds_accept_exactly_the_range(judge: Judge) -> None:
+    g = json_schema_grammar(_field({"type": "integer", "minimum": 1, "maximum": 20}))
+    accepted = [n for n in range(-3, 40) if judge.accepts(g, json.dumps({"x": n}))]
+    assert accepted == list(range(1, 21))
+
+
+def test_bounded_strings_and_arrays(judge: Judge) -> None:
+    g = json_schema_grammar(_field({"type": "string", "minLength": 2, "maxLength": 4}))
+    for text in ["", "a", "ab", 'a"\\', "abcd", "abcde"]:
+        assert judge.accepts(g, json.dumps({"x": text})) == (2 <= len(text) <= 4), text
+    g = json_schema_grammar(
+        _field({"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 3})
+    )
+    for n in range(5):
+        assert judge.accepts(g, json.dumps({"x": list(range(n))})) == (1 <= n <= 3), n
+
+
+@pytest.mark.parametrize(
+    "pattern", [r"^\d{3}-[a-z\"]{2,}(x|y)?.$", r"^[^a]{0,3}\\$", r"^(?:ab|\.){2}$"]
+)
+def test_patterns_agree_with_python(judge: Judge, pattern: str) -> None:
+    g = json_schema_grammar(_field({"type": "string", "pattern": pattern}))
+    py = re.compile(pattern[1:-1], re.ASCII)
+    samples = ["123-ab.", '123-a"bx!', "12-ab.", "123-abxy", '123-ab"', "b\\", "\\", "\n\t\\"]
+    samples += ["abab", "ab.", "..", "a\\"]
+    for s in samples:
+        assert judge.accepts(g, json.dumps({"x": s})) == bool(py.fullmatch(s)), (pattern, s)
+
+
+BUDGET = DEFAULT_MAX_REPEAT
+WORST = {
+    "maxLength": _field({"type": "string", "maxLength": BUDGET}),
+    "minLength": _field({"type": "string", "minLength": BUDGET, "maxLength": BUDGET}),
+    "maxItems": {
+        "type": "array",
+        "items": {"type": "object", "properties": {"a": {"type": "integer"}}},
+        "maxItems": BUDGET,
+    },
+    "pattern": _field({"type": "string", "pattern": rf"^(ab|c[d-f]|\d){{0,{BUDGET}}}$"}),
+    "unreachable": _field({"type": "string", "maxLength": 10**9}),
+}
+
+
+@pytest.mark.parametrize("name", WORST)
+def test_grammars_at_the_budget_compile_quickly(judge: Judge, name: str) -> None:
+    t = time.perf_counter()
+    g = json_schema_grammar(WORST[name], max_output_chars=10**6)
+    assert time.perf_counter() - t < 1.0
+    assert judge.compile_seconds(g) < 0.5
+
+
+def test_tool_grammar_with_hostile_names_compiles_and_parses(judge: Judge) -> None:
+    evil = 'a\\" | [x]{0,1000000000} | "'
+    schema = {
+        "type": "object",
+        "properties": {evil: {"type": "string", "enum": [evil]}, "n": {"type": "integer"}},
+        "required": [evil],
+        "additionalProperties": {"type": "boolean"},
+    }
+    framing = CallFraming(call_open="<tool_call>\n", call_close="\n</tool_call>")
+    g = tool_call_grammar([ToolSpec("f", schema), ToolSpec("g", {})], framing, max_calls=2)
+    call = {"name": "f", "arguments": {evil: evil, "n": 3, "flag": True}}
+    text = f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
+    assert judge.accepts(g, text)
+    assert not judge.accepts(g, text.replace('"n": 3', '"n": 3 "x": 1'))

@@ -1,0 +1,1 @@
+"""What the tests share: fakes, servers, helpers and strategies (no tests here)."""

@@ -1,0 +1,396 @@
+"""The router over real HTTP, against scripted upstreams on loopback: every fault.
+
+The gateway is the real app (scripted local model) with ``[[upstreams]]``
+pointing at small raw-socket servers that answer exactly as scripted: a good
+stream, a refusal, a stall before the first byte, a drop mid-stream,
+malformed SSE, 500 and 429.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import socketserver
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from sluice.upstream.sse import SSEDecoder
+from tests.support.fakes import ScriptedRunner
+from tests.support.helpers import CHAT, parse_sse, scripted_server
+from tests.support.servers import free_port
+
+GOOD_EVENTS = [
+    {"choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]},
+    {"choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}]},
+    {"choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": None}]},
+    {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+    {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}},
+]
+
+
+def sse_event(data: dict[str, Any] | str) -> bytes:
+    payload = (
+        data
+        if isinstance(data, str)
+        else json.dumps(
+            {"id": "chatcmpl-up", "object": "chat.completion.chunk", "created": 1, "model": "m1"}
+            | data
+        )
+    )
+    return f"data: {payload}\n\n".encode()
+
+
+GOOD_STREAM = b"".join(sse_event(e) for e in GOOD_EVENTS) + b"data: [DONE]\n\n"
+GOOD_BODY = json.dumps(
+    {
+        "id": "chatcmpl-up",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "m1",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "Hello"},
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7},
+    },
+    indent=1,  # not sluice's own formatting: proves the bytes are the upstream's
+).encode()
+
+Behaviour = Callable[["Upstream", socket.socket, dict[str, Any]], None]
+
+
+class Upstream:
+    """A scripted OpenAI-compatible server on a real loopback socket."""
+
+    def __init__(self, behaviour: str = "ok") -> None:
+        self.behaviour = behaviour
+        self.posts: list[dict[str, Any]] = []
+        self.disconnected = threading.Event()
+        self.models_ok = True
+        owner = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                owner._serve(self.request)
+
+        self.server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def _serve(self, sock: socket.socket) -> None:
+        reader = sock.makefile("rb")
+        try:
+            while True:
+                line = reader.readline()
+                if not line:
+                    return
+                method, path, _ = line.decode().split(" ", 2)
+                headers: dict[str, str] = {}
+                while (h := reader.readline()) not in (b"\r\n", b""):
+                    k, _, v = h.decode().partition(":")
+                    headers[k.strip().lower()] = v.strip()
+                body = reader.read(int(headers.get("content-length", 0)))
+                if method == "GET":
+                    if not self.models_ok:
+                        return  # close: the health check fails
+                    self._respond(sock, 200, json.dumps({"data": [{"id": "m1"}]}).encode())
+                    continue
+                self.posts.append({"path": path, "headers": headers, "body": json.loads(body)})
+                if not getattr(self, f"_{self.behaviour}")(sock, json.loads(body)):
+                    return
+        except OSError:
+            return
+
+    def _respond(
+        self, sock: socket.socket, status: int, body: bytes, extra: str = "", ctype: str = "json"
+    ) -> None:
+        media = "application/json" if ctype == "json" else "text/event-stream"
+        sock.sendall(
+            f"HTTP/1.1 {status} X\r\nContent-Type: {media}\r\nContent-Length: {len(body)}\r\n"
+            f"{extra}\r\n".encode()
+            + body
+        )
+
+    def _stream_head(self, sock: socket.socket) -> None:
+        sock.sendall(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
+
+    def _chunk(self, sock: socket.socket, data: bytes) -> None:
+        sock.sendall(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+
+    # -- behaviours: return True to keep the connection for another request ----------
+
+    def _ok(self, sock: socket.socket, body: dict[str, Any]) -> bool:
+        if not body.get("stream"):
+            self._respond(sock, 200, GOOD_BODY)
+            return True
+        self._stream_head(sock)
+        for event in GOOD_STREAM.split(b"\n\n")[:-1]:
+            self._chunk(sock, event + b"\n\n")
+        sock.sendall(b"0\r\n\r\n")
+        return True
+
+    def _slow(self, sock: socket.socket, body: dict[str, Any]) -> bool:
+        self._stream_head(sock)
+        try:
+            for i in range(200):
+                self._chunk(
+                    sock, sse_event({"choices": [{"index": 0, "delta": {"content": f"{i}"}}]})
+                )
+                time.sleep(0.05)
+        except OSError:
+            self.disconnected.set()
+        return False
+
+    def _stall(self, sock: socket.socket, body: dict[str, Any]) -> bool:
+        time.sleep(3)
+        return False
+
+    def _drop(self, sock: socket.socket, body: dict[str, Any]) -> bool:
+        self._stream_head(sock)
+        for event in GOOD_EVENTS[:2]:
+            self._chunk(sock, sse_event(event))
+        sock.shutdown(socket.SHUT_RDWR)
+        return False
+
+    def _malformed(self, sock: socket.socket, body: dict[str, Any]) -> bool:
+        self._stream_head(sock)
+        self._chunk(sock, sse_event(GOOD_EVENTS[0]))
+        self._chunk(sock, b"data: {this is not json\n\n")
+        self._chunk(sock, b"data: [DONE]\n\n")
+        sock.sendall(b"0\r\n\r\n")
+        return True
+
+    def _error500(self, sock: socket.socket, body: dict[str, Any]) -> bool:
+        self._respond(sock, 500, b'{"error": {"message": "boom", "type": "server_error"}}')
+        return True
+
+    def _busy429(self, sock: socket.socket, body: dict[str, Any]) -> bool:
+        err = b'{"error": {"message": "slow down", "type": "rate_limit_error"}}'
+        self._respond(sock, 429, err, "Retry-After: 7\r\n")
+        return True
+
+    def _bad_request(self, sock: socket.socket, body: dict[str, Any]) -> bool:
+        err = b'{"error": {"message": "no such thing", "type": "invalid_request_error"}}'
+        self._respond(sock, 400, err)
+        return True
+
+
+@contextlib.contextmanager
+def upstreams(*behaviours: str) -> Iterator[list[Upstream]]:
+    ups = [Upstream(b) for b in behaviours]
+    try:
+        yield ups
+    finally:
+        for u in ups:
+            u.close()
+
+
+@contextlib.contextmanager
+def gateway(urls: list[str], **slot: Any) -> Iterator[str]:
+    lines = ["[[upstreams]]", 'name = "up"', f"urls = {json.dumps(urls)}", 'models = ["m1"]']
+    lines += ['aliases = { "alias-m1" = "m1" }']
+    lines += [f"{k} = {json.dumps(v)}" for k, v in {"timeout": 1.0, **slot}.items()]
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "sluice.toml"
+        config.write_text("\n".join(lines) + "\n")
+        with scripted_server(ScriptedRunner(), config=str(config)) as base:
+            yield base
+
+
+def post(base: str, stream: bool = True, model: str = "m1", **extra: Any) -> httpx.Response:
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    return httpx.post(f"{base}{CHAT}", json=body | extra, timeout=10)
+
+
+def test_streaming_and_plain_answers_pass_through_unchanged() -> None:
+    with upstreams("ok") as (up,), gateway([up.url]) as base:
+        r = post(base)
+        assert r.status_code == 200
+        assert r.content == GOOD_STREAM
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["x-sluice-slot"] == f"up; replica={up.url}"
+        r = post(base, stream=False)
+        assert r.content == GOOD_BODY
+        # The alias became the upstream's name, and nothing else changed.
+        r = post(base, model="alias-m1", temperature=0.5, foo={"bar": [1, 2]})
+        assert r.content == GOOD_STREAM
+        assert up.posts[-1]["body"] == {
+            "model": "m1",
+            "messages": [{"role": "user", "content": "hi"}],
+            "stream": True,
+            "temperature": 0.5,
+            "foo": {"bar": [1, 2]},
+        }
+
+
+def test_a_refused_replica_fails_over_to_the_next() -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    with upstreams("ok") as (up,), gateway([dead, up.url], health_interval=60) as base:
+        for _ in range(3):
+            r = post(base)
+            assert r.content == GOOD_STREAM
+            assert r.headers["x-sluice-slot"] == f"up; replica={up.url}"
+
+
+def test_no_replica_left_is_a_502_and_all_down_a_503() -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    with gateway([dead], health_interval=60) as base:
+        # The first health check at start already found it down: 503 before any byte.
+        r = post(base)
+        assert r.status_code == 503
+        assert r.json()["error"]["code"] == "upstream_unavailable"
+        assert int(r.headers["retry-after"]) >= 1
+    with upstreams("error500") as (up,), gateway([up.url]) as base:
+        r = post(base)
+        assert r.status_code == 502
+        assert r.json()["error"]["code"] == "upstream_error"
+
+
+def test_a_stall_before_the_first_byte_times_out_to_the_next_replica() -> None:
+    with upstreams("stall", "ok") as (slow, up), gateway([slow.url, up.url]) as base:
+        started = time.monotonic()
+        statuses = {post(base).status_code for _ in range(2)}
+        assert statuses == {200}
+        assert time.monotonic() - started < 5
+    with upstreams("stall") as (slow,), gateway([slow.url]) as base:
+        r = post(base, stream=False)
+        assert r.status_code == 502
+        assert r.json()["error"]["code"] == "upstream_timeout"
+
+
+def test_a_drop_mid_stream_ends_with_an_error_frame() -> None:
+    with upstreams("drop") as (up,), gateway([up.url]) as base:
+        r = post(base)
+        assert r.status_code == 200
+        frames = parse_sse(r.content)
+        assert [f.event for f in frames] == [None, None, "error"]
+        assert frames[-1].json()["error"]["code"] == "upstream_error"
+        # Everything before the drop is the upstream's bytes.
+        assert r.content.startswith(sse_event(GOOD_EVENTS[0]) + sse_event(GOOD_EVENTS[1]))
+
+
+def test_malformed_sse_is_not_forwarded() -> None:
+    with upstreams("malformed") as (up,), gateway([up.url]) as base:
+        r = post(base)
+        frames = parse_sse(r.content)
+        assert [f.event for f in frames] == [None, "error"]
+        assert frames[-1].json()["error"]["code"] == "upstream_malformed"
+        assert b"not json" not in r.content.split(b"\n\n")[0]
+
+
+def test_busy_replicas_pass_the_last_answer_on() -> None:
+    with upstreams("busy429", "busy429") as ups, gateway([u.url for u in ups]) as base:
+        r = post(base)
+        assert r.status_code == 429
+        assert r.headers["retry-after"] == "7"
+        assert r.json()["error"]["message"] == "slow down"
+        assert sum(len(u.posts) for u in ups) == 2  # both were asked
+
+
+def test_an_upstream_client_error_is_its_own_answer() -> None:
+    with upstreams("bad_request", "ok") as ups, gateway([u.url for u in ups]) as base:
+        r = post(base, stream=False)
+        assert r.status_code == 400
+        assert r.json()["error"]["message"] == "no such thing"
+        assert sum(len(u.posts) for u in ups) == 1  # a 4xx is not retried elsewhere
+
+
+def test_client_disconnect_closes_the_upstream_request() -> None:
+    with upstreams("slow") as (up,), gateway([up.url]) as base:
+        with httpx.stream(
+            "POST",
+            f"{base}{CHAT}",
+            json={"model": "m1", "stream": True, "messages": [{"role": "user", "content": "hi"}]},
+        ) as r:
+            for _ in r.iter_raw():
+                break
+        assert up.disconnected.wait(3), "the upstream kept streaming to nobody"
+
+
+def test_a_down_replica_takes_traffic_again_once_it_answers() -> None:
+    with upstreams("ok", "ok") as (a, b), gateway([a.url, b.url], health_interval=0.2) as base:
+        a.models_ok = False
+        a.behaviour = "error500"
+        post(base)  # whichever got it, 'a' is marked down by a 500 or its check
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline and "down" not in _states(base):
+            time.sleep(0.05)
+        assert _states(base)[a.url] == "down"
+        served_by_a = len(a.posts)
+        for _ in range(4):
+            assert post(base).status_code == 200
+        assert len(a.posts) == served_by_a  # no traffic while down
+        a.models_ok = True
+        a.behaviour = "ok"
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and _states(base)[a.url] != "healthy":
+            time.sleep(0.05)
+        assert _states(base)[a.url] == "healthy"
+        for _ in range(4):
+            assert post(base).status_code == 200
+        assert len(a.posts) > served_by_a
+
+
+def _states(base: str) -> dict[str, str]:
+    info = httpx.get(f"{base}/v1/info").json()
+    entry = next(m for m in info["models"] if m["id"] == "m1")
+    return {r["url"]: r["state"] for r in entry["backend"]["replicas"]}
+
+
+def test_metrics_count_the_passthrough_stream() -> None:
+    with upstreams("ok", "drop") as (good, bad):
+        with gateway([good.url]) as base:
+            for _ in range(2):
+                post(base)
+            slot = httpx.get(f"{base}/v1/info").json()["slots"]["up"]
+            assert slot["tokens_out"] == 4  # usage.completion_tokens, twice
+            assert slot["tokens_in"] == 10
+            assert slot["requests"] == 2 and slot["errors"] == 0
+        with gateway([bad.url]) as base:
+            post(base)
+            slot = httpx.get(f"{base}/v1/info").json()["slots"]["up"]
+            assert slot["errors"] == 1
+
+
+def test_sse_decoder_sees_whole_events_in_the_good_stream() -> None:
+    # The scripted stream itself is well-formed SSE (guards the fixtures above).
+    messages = SSEDecoder().feed(GOOD_STREAM)
+    assert b"".join(m.raw for m in messages) == GOOD_STREAM
+    assert messages[-1].data == "[DONE]"
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_local_model_answers_name_their_slot(stream: bool) -> None:
+    with gateway([f"http://127.0.0.1:{free_port()}"], health_interval=60) as base:
+        extra = {"stream_options": {"include_usage": True}} if stream else {}
+        r = post(base, stream=stream, model="scripted", **extra)
+        assert r.status_code == 200
+        usage = parse_sse(r.content)[-2].json() if stream else r.json()
+        completion_tokens = usage["usage"]["completion_tokens"]
+        assert r.headers["x-sluice-slot"] == "scripted"
+        # Measured on the same path as an upstream's: tokens out, one request, TTFT.
+        slot = httpx.get(f"{base}/v1/info").json()["slots"]["scripted"]
+        assert slot["kind"] == "local" and slot["requests"] == 1
+        assert slot["tokens_out"] == completion_tokens > 0
+        assert slot["ttft_ms"]["last"] is not None
+        health = httpx.get(f"{base}/health").json()
+        assert health["upstreams"]["up"]["status"] == "down"
