@@ -452,7 +452,7 @@ class LlamaRunner:
         100,000 ``<|im_end|>`` took 45 s, 20,000 took 1.2 s). Control tokens are
         hard boundaries for BPE, so a long text cut right before a control-token
         text tokenizes to the same tokens piece by piece, with BOS/EOS added once
-        around the whole (tests/unit/test_tokenize.py compares the two).
+        around the whole (tests/engine/test_tokenize.py compares the two).
         """
         if len(text) <= _TOKENIZE_PIECE:
             return self._tokenize(text, add_special, parse_special)

@@ -9,7 +9,7 @@ parser steps over arrays it does not need and reads both in milliseconds.
 Results are cached by (path, size, mtime).
 
 :func:`estimate_memory` is the host RAM a load needs, calibrated against
-llama.cpp's real allocations (tests/unit/test_gguf_info.py measures them).
+llama.cpp's real allocations (tests/models/test_gguf.py measures them).
 
 Example::
 
