@@ -267,7 +267,7 @@ class Settings:
         for f in fields(cls):
             raw = env.get(env_var(f))
             if raw is not None and raw != "":
-                values[f.name] = _parse(f.name, f.type, raw)
+                values[f.name] = _parse(f, raw)
         settings = cls(**values)
         given = {k: v for k, v in overrides.items() if v is not None}
         return replace(settings, **given)
@@ -319,15 +319,16 @@ def default_store_path() -> Path:
     return Path(base) / "sluice" / "sluice.db"
 
 
-def _parse(name: str, type_name: Any, raw: str) -> Any:
-    kind = str(type_name)
+def _parse(f: Field[Any], raw: str) -> Any:
+    """``raw`` (an environment variable's text) as ``f``'s kind of value."""
+    k = kind(f)
     try:
-        if kind.startswith("bool"):
+        if k == "bool":
             return raw.strip().lower() in ("1", "true", "yes", "on")
-        if kind.startswith("int"):
+        if k == "int":
             return int(raw)
-        if kind.startswith("float"):
+        if k == "float":
             return float(raw)
     except ValueError as exc:
-        raise ValueError(f"SLUICE_{name.upper()}={raw!r} is not a valid {kind}") from exc
+        raise ValueError(f"{env_var(f)}={raw!r} is not a valid {f.type}") from exc
     return raw

@@ -66,16 +66,9 @@ def base_url(url: str) -> str:
     return url
 
 
-def load_upstreams(
-    path: str | os.PathLike[str], env: Mapping[str, str] | None = None
-) -> list[UpstreamSpec]:
-    """The ``[[upstreams]]`` of a TOML file; anything wrong is a :class:`ConfigError`
-    naming the file, the entry and the key."""
-    return upstreams_of(ConfigFile.read(path), env)
-
-
 def upstreams_of(config: ConfigFile, env: Mapping[str, str] | None = None) -> list[UpstreamSpec]:
-    """The ``[[upstreams]]`` of a config file already read (see :func:`load_upstreams`)."""
+    """The ``[[upstreams]]`` of the config file; anything wrong is a :class:`ConfigError`
+    naming the file, the entry and the key."""
     file = config.path
     entries = config.table("upstreams") or []
     if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
