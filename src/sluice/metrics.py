@@ -42,7 +42,7 @@ import math
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -491,6 +491,13 @@ class OpenAIChunkTap:
             error=error or self._error,
         )
 
+    def ended(self, data: Mapping[str, Any]) -> bool:
+        """Whether ``data`` completes the answer (a finish or an error)."""
+        choices = data.get("choices")
+        if not isinstance(choices, list):
+            return "error" in data
+        return any(isinstance(c, Mapping) and c.get("finish_reason") for c in choices)
+
     def _usage(self, usage: object) -> None:
         if not isinstance(usage, Mapping):
             return
@@ -500,6 +507,54 @@ class OpenAIChunkTap:
             self._prompt = prompt
         if _is_count(completion):
             self._completion = completion
+
+
+class AnthropicEventTap(OpenAIChunkTap):
+    """The same, for an upstream that speaks Anthropic's Messages API natively.
+
+    Each content delta counts one token until ``message_delta``'s cumulative usage
+    gives the exact count; ``input_tokens`` plus the cache reads is the prompt.
+    """
+
+    def chunk(self, data: Mapping[str, Any]) -> None:
+        kind = data.get("type")
+        if kind == "content_block_delta":
+            self._meter.tokens(1)
+        elif kind == "message_start":
+            message = data.get("message")
+            if isinstance(message, Mapping):
+                self._anthropic_usage(message.get("usage"))
+        elif kind == "message_delta":
+            self._anthropic_usage(data.get("usage"))
+        elif kind == "error":
+            self._error = True
+
+    def body(self, data: Mapping[str, Any]) -> None:
+        if data.get("type") == "error":
+            self._error = True
+            return
+        self._meter.first_token()
+        self._anthropic_usage(data.get("usage"))
+        if self._completion is not None:
+            self._meter.tokens(self._completion)
+
+    def ended(self, data: Mapping[str, Any]) -> bool:
+        return data.get("type") in ("message_stop", "error")
+
+    def _anthropic_usage(self, usage: object) -> None:
+        if not isinstance(usage, Mapping):
+            return
+        fresh = usage.get("input_tokens")
+        if _is_count(fresh):
+            prompt: int = fresh
+            for key in ("cache_read_input_tokens", "cache_creation_input_tokens"):
+                cached = usage.get(key)
+                if _is_count(cached):
+                    prompt += cached
+            self._prompt = prompt
+        output = usage.get("output_tokens")
+        if _is_count(output):
+            self._completion = output
 
 
 def _carries_content(choice: object) -> bool:
@@ -519,7 +574,7 @@ def _carries_content(choice: object) -> bool:
     return isinstance(tool_calls, list) and bool(tool_calls)
 
 
-def _is_count(value: object) -> bool:
+def _is_count(value: object) -> TypeGuard[int]:
     # bool is an int subclass; a JSON true is not a count
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 

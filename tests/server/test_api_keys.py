@@ -250,6 +250,8 @@ def test_every_route_but_health_needs_a_key(keyed: tuple[str, list[tuple[str, st
                 {"Authorization": f"Bearer {ALICE}x"},
                 {"Authorization": f"Basic {ALICE}"},
                 {"Authorization": ALICE},
+                {"x-api-key": "sk-wrong-0000"},
+                {"x-api-key": f"{ALICE}x", "Authorization": f"Bearer {BOB}x"},
             ):
                 r = client.request(method, path, headers=headers, json={})
                 if path == "/health":
@@ -260,9 +262,12 @@ def test_every_route_but_health_needs_a_key(keyed: tuple[str, list[tuple[str, st
                 if method != "HEAD":
                     err = r.json()["error"]
                     assert err["type"] == "authentication_error"
-                    assert err["code"] == "invalid_api_key"
+                    if path.startswith("/v1/messages"):  # Anthropic's shape: no code
+                        assert r.json()["type"] == "error", r.text
+                    else:
+                        assert err["code"] == "invalid_api_key"
                 refused += 1
-    assert refused >= 5 * (len(routes) - 1)
+    assert refused >= 7 * (len(routes) - 1)
 
 
 def test_the_right_key_gets_through(keyed: tuple[str, list[tuple[str, str]]]) -> None:
@@ -281,9 +286,15 @@ def test_the_right_key_gets_through(keyed: tuple[str, list[tuple[str, str]]]) ->
                 "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
             )
             assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+        # Anthropic's header, the same keys and the same accounting; a wrong Bearer
+        # beside a right x-api-key still gets in (clients may send a stale one).
+        messages = {**body, "model": "scripted", "max_tokens": 8}
+        for headers in ({"x-api-key": ALICE}, {"x-api-key": BOB, "Authorization": "Bearer no"}):
+            r = client.post("/v1/messages", json=messages, headers=headers)
+            assert r.status_code == 200 and r.json()["content"][0]["text"], r.text
         metrics = client.get("/metrics", headers={"Authorization": f"Bearer {ALICE}"}).text
     counts = dict(re.findall(r'sluice_requests_by_key_total\{key="(\w+)"\} (\S+)', metrics))
-    assert float(counts["alice"]) >= 2 and float(counts["bob"]) >= 1
+    assert float(counts["alice"]) >= 3 and float(counts["bob"]) >= 2
     assert float(counts["default"]) >= 1  # CAROL came in as --api-key
 
 

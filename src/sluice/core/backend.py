@@ -57,6 +57,11 @@ class Backend(Protocol):
         byte is raised here as a :class:`~sluice.core.errors.SluiceError`."""
         ...
 
+    async def count_prompt_tokens(self, request: GenerationRequest) -> int:
+        """The tokens ``request``'s prompt takes on this model (chat template and
+        tools included), without generating: Anthropic's ``count_tokens``."""
+        ...
+
 
 Progress = Callable[[float], None]  # a load's progress, 0.0 to 1.0
 

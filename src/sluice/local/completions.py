@@ -85,7 +85,8 @@ class CompletionService:
             return self.prepare_chat(request)
         return self.prepare_text(request)
 
-    def prepare_chat(self, body: GenerationRequest) -> Generation:
+    def chat_prompt(self, body: GenerationRequest) -> tuple[OutputPlan, list[int]]:
+        """The output plan (tools, grammar, parsers) and the templated prompt's tokens."""
         assert body.messages is not None
         plan = OutputPlan.build(
             body, fmt=self.tool_format, reasoning=self.reasoning, limits=self.tool_limits
@@ -103,7 +104,10 @@ class CompletionService:
             # the output is the answer (or the calls) even if the template opened a block.
             constrained = plan.grammar is not None and not plan.triggers
             plan.reasoning_opened = template_opens_think(prompt_text) and not constrained
-        tokens = self._tokenize_prompt(prompt_text)
+        return plan, self._tokenize_prompt(prompt_text)
+
+    def prepare_chat(self, body: GenerationRequest) -> Generation:
+        plan, tokens = self.chat_prompt(body)
         self.engine.check_prompt(len(tokens))
         top_n = body.logprobs
         limit = body.max_tokens

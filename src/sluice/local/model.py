@@ -198,6 +198,17 @@ class LocalModel:
             arrival.done()  # never prepared (cancelled in the queue)
         return LocalStream(gen.meta, service.events(gen, stream), stream)
 
+    async def count_prompt_tokens(self, request: GenerationRequest) -> int:
+        """The tokens of ``request``'s templated prompt (tools included), as
+        :meth:`open` would prefill them; a prompt over the context is counted too."""
+        service = self.service
+
+        def count() -> int:
+            with self._in_use():
+                return len(service.chat_prompt(request)[1])
+
+        return int(await self.offload.run(count))
+
     @contextlib.contextmanager
     def _in_use(self) -> Iterator[None]:
         with self._lock:

@@ -27,6 +27,8 @@ from sluice.core.errors import (
     SluiceError,
 )
 from sluice.dialects import ops
+from sluice.dialects.anthropic import format as anthropic_format
+from sluice.dialects.anthropic import routes as anthropic
 from sluice.dialects.gateway import routes as gateway
 from sluice.dialects.lmstudio import chat as lmstudio_chat
 from sluice.dialects.lmstudio import routes as lmstudio
@@ -39,6 +41,20 @@ from sluice.server.state import build_state
 from sluice.store import SQLiteStore
 
 log = logging.getLogger("sluice.api")
+
+# Error shapes by path prefix, for what answers before a route does (the keys, an
+# unknown route or method): a client gets errors in the dialect it speaks.
+_ERROR_SHAPES: tuple[tuple[str, Callable[[SluiceError], Response]], ...] = (
+    ("/v1/messages", anthropic_format.error_response),
+)
+
+
+def render_error_for(path: str) -> Callable[[SluiceError], Response]:
+    """The error renderer of the dialect served at ``path`` (OpenAI's by default)."""
+    for prefix, render in _ERROR_SHAPES:
+        if path == prefix or path.startswith(prefix + "/"):
+            return render
+    return error_response
 
 
 def create_app(
@@ -93,11 +109,12 @@ def create_app(
 
     async def on_http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
+        render = render_error_for(request.url.path)
         if exc.status_code == 404:
-            return error_response(NotFound(f"No route {request.method} {request.url.path}"))
+            return render(NotFound(f"No route {request.method} {request.url.path}"))
         if exc.status_code == 405:
             err = InvalidRequest(f"Method {request.method} is not allowed on {request.url.path}")
-            resp = error_response(err)
+            resp = render(err)
             resp.status_code = 405
             return resp
         return JSONResponse(
@@ -114,17 +131,20 @@ def create_app(
 
     async def on_sluice_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, SluiceError)
-        return error_response(exc)
+        return render_error_for(request.url.path)(exc)
 
     async def on_unexpected(request: Request, exc: Exception) -> Response:
         # A bug, not the client's fault: still the OpenAI error shape, never a
         # text/plain page. (Starlette logs the traceback after this answers.)
-        return error_response(InternalError(f"Internal error: {type(exc).__name__}"))
+        error = InternalError(f"Internal error: {type(exc).__name__}")
+        return render_error_for(request.url.path)(error)
 
     app = Starlette(
         routes=[
             Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
             Route("/v1/completions", openai.completions, methods=["POST"]),
+            Route("/v1/messages", anthropic.messages, methods=["POST"]),
+            Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
             Route("/v1/models", openai.list_models, methods=["GET"]),
             Route("/v1/models/{model_id:path}", openai.get_model, methods=["GET"]),
             Route("/c1/chat", gateway.chat, methods=["POST"]),
@@ -154,5 +174,5 @@ def create_app(
     )
     log.info(names_line(keys.names))
     if keys:
-        return BearerAuth(app, keys)  # type: ignore[return-value]
+        return BearerAuth(app, keys, render_error_for)  # type: ignore[return-value]
     return app

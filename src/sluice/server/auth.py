@@ -34,17 +34,18 @@ import hmac
 import logging
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
+from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from sluice.config import Settings
 from sluice.config.file import ConfigError, ConfigFile, describe_value
-from sluice.core.errors import AuthenticationFailed
+from sluice.core.errors import AuthenticationFailed, SluiceError
 from sluice.server.sse import error_response
 
 log = logging.getLogger("sluice.api")
@@ -200,7 +201,8 @@ def names_line(names: Iterable[str]) -> str:
 
 
 class BearerAuth:
-    """Requires ``Authorization: Bearer <key>`` on every route but ``/health``.
+    """Requires a key on every route but ``/health``: ``Authorization: Bearer <key>``,
+    or ``x-api-key: <key>`` (Anthropic's header; the same keys).
 
     Unknown routes answer 401 as well, so nobody learns which routes exist
     without a key. The key's name goes into the ASGI scope's state
@@ -214,9 +216,16 @@ class BearerAuth:
         app.app.routes      # the wrapped app's routes
     """
 
-    def __init__(self, app: Starlette, keys: ApiKeys) -> None:
+    def __init__(
+        self,
+        app: Starlette,
+        keys: ApiKeys,
+        render_for: Callable[[str], Callable[[SluiceError], Response]] | None = None,
+    ) -> None:
         self.app = app
         self.keys = keys
+        # The refusal in the shape of the dialect at a path (OpenAI's by default).
+        self.render_for = render_for or (lambda path: error_response)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.app, name)
@@ -235,23 +244,32 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
     def _authenticate(self, scope: Scope) -> str | None:
-        auth = b""
+        auth: bytes | None = None
+        api_key: bytes | None = None
         for header, value in scope["headers"]:
             if header == b"authorization":
                 auth = value  # the last one wins, as with dict(headers)
-        scheme, _, token = auth.decode("latin-1").partition(" ")
-        if scheme.lower() != "bearer":
-            return None
-        return self.keys.lookup(token.strip())
+            elif header == b"x-api-key":
+                api_key = value
+        if auth is not None:
+            scheme, _, token = auth.decode("latin-1").partition(" ")
+            if scheme.lower() == "bearer":
+                name = self.keys.lookup(token.strip())
+                if name is not None or api_key is None:
+                    return name
+        if api_key is not None:
+            return self.keys.lookup(api_key.decode("latin-1").strip())
+        return None
 
-    @staticmethod
-    async def _refuse(scope: Scope, receive: Receive, send: Send) -> None:
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "websocket":
             # A close before the accept: the server answers the handshake with a 403.
             await send({"type": "websocket.close", "code": 1008})
             return
-        resp = error_response(
-            AuthenticationFailed("Missing or invalid API key (Authorization: Bearer ...).")
+        resp = self.render_for(scope["path"])(
+            AuthenticationFailed(
+                "Missing or invalid API key (Authorization: Bearer ... or x-api-key: ...)."
+            )
         )
         resp.headers["WWW-Authenticate"] = "Bearer"
         await resp(scope, receive, send)

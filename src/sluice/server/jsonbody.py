@@ -214,8 +214,9 @@ def _path_to(root: Any, target: Any) -> str:
     return ""
 
 
-def check_body_limits(data: dict[str, Any], limits: BodyLimits) -> None:
-    """Counts that would make validation or generation expensive; 400 naming the field."""
+def check_body_limits(data: dict[str, Any], limits: BodyLimits, *, stop: str = "stop") -> None:
+    """Counts that would make validation or generation expensive; 400 naming the field
+    (``stop``: the dialect's name of the stop strings' field)."""
     messages = data.get("messages")
     if isinstance(messages, list) and len(messages) > limits.max_messages:
         raise InvalidRequest(
@@ -223,19 +224,20 @@ def check_body_limits(data: dict[str, Any], limits: BodyLimits) -> None:
             "(--max-messages).",
             param="messages",
         )
-    stop = data.get("stop")
-    stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
+    field = stop
+    value = data.get(field)
+    stops = [value] if isinstance(value, str) else value if isinstance(value, list) else []
     if len(stops) > limits.max_stop:
         raise InvalidRequest(
-            f"'stop' has {len(stops)} strings; the limit is {limits.max_stop} (--max-stop).",
-            param="stop",
+            f"'{field}' has {len(stops)} strings; the limit is {limits.max_stop} (--max-stop).",
+            param=field,
         )
     for i, s in enumerate(stops):
         if isinstance(s, str) and len(s) > limits.max_stop_length:
             raise InvalidRequest(
-                f"'stop' string {i} is {len(s)} characters; the limit is "
+                f"'{field}' string {i} is {len(s)} characters; the limit is "
                 f"{limits.max_stop_length} (--max-stop-length).",
-                param="stop",
+                param=field,
             )
     bias = data.get("logit_bias")
     if isinstance(bias, dict) and len(bias) > limits.max_logit_bias:

@@ -19,17 +19,59 @@ Example::
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from sluice.config import Settings
-from sluice.core.errors import SluiceError
-from sluice.server.sse import SSEResponse, error_response, json_response, run_until_disconnect
+from sluice.core.errors import InternalError, SluiceError
+from sluice.server.sse import (
+    PING,
+    SSEResponse,
+    error_frame,
+    error_response,
+    json_response,
+    run_until_disconnect,
+)
+
+log = logging.getLogger("sluice.api")
 
 CLIENT_GONE = 499  # nginx's status for a client that closed the connection first
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def errors_as(render: Callable[[SluiceError], Response]) -> Callable[[Handler], Handler]:
+    """A route decorator: every error of the route answered by ``render`` (the
+    dialect's shape; the app's handlers would write OpenAI's), an unexpected one
+    as an :class:`InternalError`, a client gone before its body arrived as a 499.
+
+    Example::
+
+        @errors_as(anthropic_error_response)
+        async def messages(request: Request) -> Response: ...
+    """
+
+    def decorate(handler: Handler) -> Handler:
+        @functools.wraps(handler)
+        async def route(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except SluiceError as exc:
+                return render(exc)
+            except ClientDisconnect:  # gone before its body arrived: nobody to answer
+                return Response(status_code=CLIENT_GONE)
+            except Exception as exc:
+                log.exception("%s %s failed", request.method, request.url.path)
+                return render(InternalError(f"Internal error: {type(exc).__name__}"))
+
+        return route
+
+    return decorate
 
 
 def _no_headers() -> Mapping[str, str]:
@@ -47,6 +89,8 @@ async def respond(
     headers: Callable[[], Mapping[str, str]] = _no_headers,
     render_error: Callable[[SluiceError], Response] = error_response,
     error_headers: Mapping[str, str] | None = None,
+    ping: bytes = PING,
+    failure_frame: Callable[[BaseException], bytes] = error_frame,
 ) -> Response:
     """``frames()`` as an SSE response when ``stream``, else ``fold()``'s JSON body.
 
@@ -55,7 +99,9 @@ async def respond(
     A fold that raises or returns a :class:`SluiceError` answers with
     ``render_error`` (the dialect's error shape) and ``error_headers``; a client
     that went away during the fold gets a bare 499 nobody reads. ``headers`` is
-    asked once the answer is known (the slot that served it, say).
+    asked once the answer is known (the slot that served it, say). ``ping`` is the
+    stream's keep-alive and ``failure_frame`` the frame for a failure no formatter saw,
+    both in the dialect's shape.
     """
     if stream:
         return SSEResponse(  # type: ignore[return-value]
@@ -64,6 +110,8 @@ async def respond(
             ping_interval=settings.ping_interval,
             stall_timeout=settings.stall_timeout,
             headers=dict(headers()),
+            ping=ping,
+            failure_frame=failure_frame,
         )
     try:
         result = await run_until_disconnect(raw_request.receive, fold())
@@ -80,3 +128,60 @@ async def respond(
     response = json_response(result)
     response.headers.update(headers())
     return response
+
+
+class Forwarded(Protocol):
+    """An upstream's answer being forwarded unchanged (``upstream.backend.Passthrough``)."""
+
+    @property
+    def status(self) -> int: ...
+
+    @property
+    def streaming(self) -> bool: ...
+
+    def headers(self) -> dict[str, str]: ...
+
+    def stream(self) -> AsyncIterator[bytes]: ...
+
+    async def read(self) -> bytes: ...
+
+    async def aclose(self) -> None: ...
+
+
+async def forward(
+    raw_request: Request,
+    settings: Settings,
+    answer: Forwarded,
+    *,
+    failure_frame: Callable[[BaseException], bytes],
+    render_error: Callable[[SluiceError], Response],
+) -> Response:
+    """An upstream's answer in its own dialect, byte for byte: its SSE events as they
+    come (a failure after the first byte ends them with ``failure_frame``), or its
+    whole body with its status; ``render_error`` answers a failure before that."""
+    if answer.streaming:
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in answer.stream():
+                    yield chunk
+            except SluiceError as exc:  # after the first byte: the dialect's error frame
+                yield failure_frame(exc)
+
+        return SSEResponse(  # type: ignore[return-value]
+            events(),
+            on_close=answer.aclose,
+            ping_interval=0,  # the bytes are the upstream's: no pings of ours in them
+            stall_timeout=settings.stall_timeout,
+            headers=answer.headers(),
+            base_headers=[(b"x-accel-buffering", b"no")],
+        )
+    try:
+        body = await run_until_disconnect(raw_request.receive, answer.read())
+    except SluiceError as exc:  # the upstream failed while sending its answer
+        return render_error(exc)
+    finally:
+        await answer.aclose()
+    if body is None:
+        return Response(status_code=CLIENT_GONE)
+    return Response(body, answer.status, answer.headers())

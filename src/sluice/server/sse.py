@@ -140,8 +140,12 @@ class SSEResponse:
         stall_timeout: float = 60.0,
         headers: dict[str, str] | None = None,
         base_headers: list[tuple[bytes, bytes]] | None = None,
+        ping: bytes = PING,
+        failure_frame: Callable[[BaseException], bytes] = error_frame,
     ) -> None:
         self.body = body
+        self.ping = ping  # the dialect's keep-alive (Anthropic's is an event: ping)
+        self.failure_frame = failure_frame  # a bug below the formatter, in the dialect's shape
         self.on_close = on_close
         self.ping_interval = ping_interval  # <= 0: never (a passthrough's bytes are not ours)
         self.stall_timeout = stall_timeout  # a write the client does not take within this
@@ -172,7 +176,7 @@ class SSEResponse:
                     await emit(chunk)
             except Exception as exc:  # a bug below: end the stream visibly, not silently
                 log.exception("stream producer failed")
-                await emit(error_frame(exc))
+                await emit(self.failure_frame(exc))
             await emit(b"", more_body=False)
 
         async def ping() -> None:
@@ -185,7 +189,7 @@ class SSEResponse:
                 if wait > 0:
                     await asyncio.sleep(wait)
                 else:
-                    await emit(PING)
+                    await emit(self.ping)
 
         def stall_wait() -> float | None:
             """Seconds until a send blocked now would have stalled (None: never)."""

@@ -20,6 +20,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator, Mapping
@@ -27,8 +28,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sluice.core.backend import StreamMeta
-from sluice.core.errors import SluiceError, UpstreamFailed, UpstreamMalformed
-from sluice.core.events import ErrorEvent, Event
+from sluice.core.errors import (
+    SluiceError,
+    UpstreamFailed,
+    UpstreamMalformed,
+    as_sluice_error,
+)
+from sluice.core.events import ErrorEvent, Event, Finish
 from sluice.core.request import GenerationRequest
 from sluice.metrics import OpenAIChunkTap, SlotMetrics
 from sluice.upstream.codec import (
@@ -129,18 +135,45 @@ class UpstreamModel:
         meta = stream_meta(request, self.name, slot=self.slot.name, replica=response.replica)
         return UpstreamStream(meta, response, ChunkDecoder(chat=request.is_chat))
 
+    async def count_prompt_tokens(self, request: GenerationRequest) -> int:
+        """The prompt tokens of ``request`` as the upstream counts them.
+
+        OpenAI's API has no token count, so the request runs for one token and the
+        upstream's usage says how long its templated prompt was (the prefill is the
+        upstream's prompt cache's to keep for the request that follows).
+        """
+        stream = await self.open(dataclasses.replace(request, max_tokens=1, n=1))
+        try:
+            async for event in stream:
+                if isinstance(event, ErrorEvent):
+                    raise as_sluice_error(event.error)
+                if isinstance(event, Finish) and event.usage is not None:
+                    return event.usage.prompt_tokens
+        finally:
+            await stream.aclose()
+        raise UpstreamMalformed(
+            f"The upstream '{self.slot.name}' reported no usage, so its tokens cannot be counted."
+        )
+
     async def passthrough(
-        self, path: str, body: bytes, headers: Mapping[str, str] | None = None
+        self,
+        path: str,
+        body: bytes,
+        headers: Mapping[str, str] | None = None,
+        *,
+        tap: type[OpenAIChunkTap] = OpenAIChunkTap,
     ) -> Passthrough:
-        """Send an OpenAI body (``model`` already the upstream's name) and hand back
-        the answer to forward unchanged. Errors before the first byte are raised."""
+        """Send a body in the upstream's own dialect (``model`` already the upstream's
+        name) and hand back the answer to forward unchanged. Errors before the first
+        byte are raised. ``tap`` reads the dialect's events for the slot's metrics
+        (:class:`~sluice.metrics.AnthropicEventTap` for Anthropic's Messages)."""
         meter = self.slot.metrics.request()
         try:
             response = await self.slot.pool.send(path, body, headers)
         except SluiceError:
             meter.finish(error=True)
             raise
-        return Passthrough(response, OpenAIChunkTap(meter), self.slot.name)
+        return Passthrough(response, tap(meter), self.slot.name)
 
 
 class UpstreamStream:
@@ -260,7 +293,7 @@ class Passthrough:
                                 yield b"".join(out)
                             raise _malformed(data)
                         self.tap.chunk(parsed)
-                        finished = finished or _has_finish(parsed)
+                        finished = finished or self.tap.ended(parsed)
                     out.append(message.raw)
                 if out:
                     yield b"".join(out)
@@ -288,13 +321,6 @@ def _json_object(data: str | bytes) -> dict[str, Any] | None:
     except ValueError:
         return None
     return parsed if isinstance(parsed, dict) else None
-
-
-def _has_finish(chunk: dict[str, Any]) -> bool:
-    choices = chunk.get("choices")
-    if not isinstance(choices, list):
-        return "error" in chunk
-    return any(isinstance(c, dict) and c.get("finish_reason") for c in choices)
 
 
 def upstream_context(entry: dict[str, Any]) -> int | None:

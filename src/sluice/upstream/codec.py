@@ -211,6 +211,7 @@ class _Choice:
     calls: dict[int, str] = field(default_factory=dict)
     last_call: int | None = None
     finished: bool = False
+    stop_string: str | None = None  # the stop string that ended it, where the server says
 
 
 class ChunkDecoder:
@@ -323,6 +324,9 @@ class ChunkDecoder:
                 state.finished = True
                 out.extend(ToolCallEnd(index, i) for i in sorted(state.calls))
                 self._held[index] = _FINISH.get(reason, "stop")
+                # vLLM and SGLang name the stop string that matched (or a stop token id).
+                matched = item.get("stop_reason")
+                state.stop_string = matched if isinstance(matched, str) else None
 
     def _delta(
         self, index: int, state: _Choice, delta: Any, logprobs: Any, out: list[Event]
@@ -395,7 +399,8 @@ class ChunkDecoder:
             if usage is not None:
                 self._usage_spent = True
                 finish_usage = usage if index == owner else Usage(index, 0, 0)
-            out.append(Finish(index, held[index], usage=finish_usage))
+            stop = self._choices[index].stop_string
+            out.append(Finish(index, held[index], usage=finish_usage, stop_string=stop))
         return out
 
     def _usage_of(self) -> Usage | None:

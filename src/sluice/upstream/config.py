@@ -9,6 +9,7 @@ Example (a file)::
     models = ["Qwen/Qwen2.5-7B-Instruct"] # omitted: whatever its /v1/models lists
     aliases = { qwen = "Qwen/Qwen2.5-7B-Instruct" }
     timeout = 300                         # seconds without a byte before it counts as failed
+    native_apis = ["anthropic"]           # dialects it speaks itself: their requests pass through
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from sluice.config.file import ConfigError, ConfigFile, describe_value
 DEFAULT_TIMEOUT = 300.0
 DEFAULT_CONNECT_TIMEOUT = 5.0
 DEFAULT_HEALTH_INTERVAL = 10.0
+# Dialects besides OpenAI's that an upstream may speak itself (``native_apis``): a request
+# in one of them then goes up unchanged (only ``model`` rewritten) and its bytes come back.
+NATIVE_APIS = frozenset({"anthropic"})
 
 _KEYS = frozenset(
     {
@@ -38,6 +42,7 @@ _KEYS = frozenset(
         "timeout",
         "connect_timeout",
         "health_interval",
+        "native_apis",
     }
 )
 
@@ -54,6 +59,7 @@ class UpstreamSpec:
     timeout: float = DEFAULT_TIMEOUT  # to the first byte, and between bytes after it
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
     health_interval: float = DEFAULT_HEALTH_INTERVAL  # seconds between checks of a healthy replica
+    native_apis: frozenset[str] = frozenset()  # of NATIVE_APIS: passed through, not translated
 
     def __hash__(self) -> int:
         return hash((self.name, self.urls))
@@ -159,8 +165,13 @@ def _entry(file: Path, index: int, table: dict[str, Any], env: Mapping[str, str]
         for alias, target in aliases.items():
             if target.lower() not in listed:
                 raise t.error("aliases", f"maps {alias!r} to {target!r}, which is not in 'models'")
+    native = t.texts("native_apis")
+    for api in native:
+        if api not in NATIVE_APIS:
+            raise t.error("native_apis", f"names {api!r}; known: {', '.join(sorted(NATIVE_APIS))}")
     return UpstreamSpec(
         name=name,
+        native_apis=frozenset(native),
         urls=tuple(dict.fromkeys(base_url(u) for u in urls)),
         api_key=api_key,
         models=models,

@@ -241,6 +241,9 @@ class UpstreamPool:
         self._headers = {"content-type": "application/json", "accept-encoding": "identity"}
         if spec.api_key:
             self._headers["authorization"] = f"Bearer {spec.api_key}"
+            # Anthropic's header too: a server that speaks Messages natively may read
+            # only that one, and OpenAI servers ignore it.
+            self._headers["x-api-key"] = spec.api_key
         self._client = httpx.AsyncClient(
             transport=transport,
             timeout=httpx.Timeout(

@@ -24,21 +24,18 @@ Example::
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
-from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from sluice.config import Settings
 from sluice.core.backend import LoadOptions
 from sluice.core.errors import (
-    InternalError,
     InvalidRequest,
     ModelNotFound,
     ShuttingDown,
@@ -62,13 +59,13 @@ from sluice.models.files import (
 from sluice.models.registry import ModelStatus
 from sluice.server.body import read_body
 from sluice.server.jsonbody import parse_json_body
+from sluice.server.respond import errors_as
 from sluice.server.sse import json_response
 from sluice.server.state import ServerState, server_state
 
 log = logging.getLogger("sluice.api")
 
 M = TypeVar("M", LoadModelRequest, UnloadModelRequest, DownloadModelRequest)
-Handler = Callable[[Request], Awaitable[Response]]
 
 _GGUF_URL_HINT = (
     "sluice downloads a model from the URL of a GGUF file, e.g. "
@@ -96,23 +93,7 @@ def _lms_error_response(exc: SluiceError) -> Response:
     return Response(body, spec_for(exc).status, exc.headers(), media_type="application/json")
 
 
-def _lmstudio(handler: Handler) -> Handler:
-    """Answers every error of ``handler`` in LM Studio's shape (the app's handlers
-    would write OpenAI's)."""
-
-    @functools.wraps(handler)
-    async def route(request: Request) -> Response:
-        try:
-            return await handler(request)
-        except SluiceError as exc:
-            return _lms_error_response(exc)
-        except ClientDisconnect:  # gone before its body arrived: nobody to answer
-            return Response(status_code=499)
-        except Exception as exc:
-            log.exception("%s %s failed", request.method, request.url.path)
-            return _lms_error_response(InternalError(f"Internal error: {type(exc).__name__}"))
-
-    return route
+_lmstudio = errors_as(_lms_error_response)
 
 
 async def _read(request: Request, model: type[M]) -> M:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,13 +34,11 @@ from sluice.server.jsonbody import (
     paused_gc,
     validate_body,
 )
-from sluice.server.respond import respond
+from sluice.server.respond import forward, respond
 from sluice.server.sse import (
-    SSEResponse,
     error_frame,
     error_response,
     json_response,
-    run_until_disconnect,
     sse_stream,
     wants_sse,
 )
@@ -194,32 +192,9 @@ async def _passthrough(
         )
     except SluiceError as exc:  # no replica answered: 502, or 503 when all are down
         return error_response(exc, sse=parsed.stream and wants_sse(request))
-    if answer.streaming:
-
-        async def forward() -> AsyncIterator[bytes]:
-            try:
-                async for chunk in answer.stream():
-                    yield chunk
-            except SluiceError as exc:  # after the first byte: the dialect's error frame
-                yield error_frame(exc)
-
-        return SSEResponse(  # type: ignore[return-value]
-            forward(),
-            on_close=answer.aclose,
-            ping_interval=0,  # the bytes are the upstream's: no pings of ours in them
-            stall_timeout=state.settings.stall_timeout,
-            headers=answer.headers(),
-            base_headers=[(b"x-accel-buffering", b"no")],
-        )
-    try:
-        body = await run_until_disconnect(request.receive, answer.read())
-    except SluiceError as exc:  # the upstream failed while sending its answer
-        return error_response(exc)
-    finally:
-        await answer.aclose()
-    if body is None:
-        return Response(status_code=499)
-    return Response(body, answer.status, answer.headers())
+    return await forward(
+        request, state.settings, answer, failure_frame=error_frame, render_error=error_response
+    )
 
 
 def _model_entry(state: ServerState, spec: ModelSpec, status: ModelStatus) -> dict[str, Any]:

@@ -1,0 +1,177 @@
+"""Anthropic's Messages API: ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``.
+
+Order of a request:
+
+1. Before any byte (a real HTTP status, Anthropic's error body): the body is read
+   within the size limit and parsed; a model of an upstream that speaks Messages
+   itself (``native_apis = ["anthropic"]``) gets the body as it came, only
+   ``model`` rewritten, and its answer's bytes go back unchanged. Otherwise the
+   body is validated and becomes the neutral request (``schema.py``); images for a
+   local model (which has no vision) are a 400; the slot is acquired (a local
+   model loads just in time) and the request opened on it: a prompt over the
+   context is a 400 "prompt is too long" here.
+2. The events become Anthropic's named events (``format.py``), or fold into the
+   message; ``ping`` events keep a quiet stream alive. A failure after the start
+   is an ``event: error`` frame.
+
+Both API-key headers are accepted (``x-api-key`` and ``Authorization: Bearer``,
+``server/auth.py``); ``anthropic-version`` and ``anthropic-beta`` are read by
+nobody: every version and beta flag is accepted, as are ``?beta=true`` URLs.
+
+Example::
+
+    curl localhost:8080/v1/messages -H 'x-api-key: KEY' -d '{"model": "smollm2",
+      "max_tokens": 64, "messages": [{"role": "user", "content": "Hi"}], "stream": true}'
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from sluice.core.errors import InvalidRequest, as_sluice_error
+from sluice.core.events import ErrorEvent
+from sluice.core.request import GenerationRequest
+from sluice.dialects.anthropic.format import (
+    PING,
+    MessagesFormatter,
+    error_frame,
+    error_response,
+)
+from sluice.dialects.anthropic.schema import CountTokensRequest, MessagesRequest, parse
+from sluice.metrics import AnthropicEventTap
+from sluice.models.dispatch import UpstreamTarget
+from sluice.server.body import read_request_body
+from sluice.server.jsonbody import check_body_limits, parse_json_body
+from sluice.server.respond import CLIENT_GONE, errors_as, forward, respond
+from sluice.server.sse import json_response, run_until_disconnect, sse_stream
+from sluice.server.state import ServerState, server_state
+from sluice.upstream.backend import slot_header
+
+log = logging.getLogger("sluice.api")
+
+NATIVE = "anthropic"  # an upstream's native_apis entry for this dialect
+# Request headers a native upstream needs from the client (auth is the slot's own).
+_FORWARDED = ("anthropic-version", "anthropic-beta", "accept")
+
+
+async def _body(request: Request, state: ServerState) -> dict[str, Any] | None:
+    raw = await read_request_body(request, state.settings.max_body_bytes, lambda: state.draining)
+    if raw is None:
+        return None
+    return await state.offload.run(lambda: parse_json_body(raw, state.limits))
+
+
+def _native(state: ServerState, data: dict[str, Any]) -> UpstreamTarget | None:
+    """The upstream target when the model's slot speaks Messages itself."""
+    name = data.get("model")
+    target = state.dispatcher.upstream(name) if isinstance(name, str) else None
+    if target is None or NATIVE not in target.slot.spec.native_apis:
+        return None
+    return target
+
+
+def _local_images(state: ServerState, body: MessagesRequest | CountTokensRequest) -> None:
+    """Images go only to upstream models: no local model here has vision."""
+    if state.dispatcher.upstream(body.model) is None and body.has_images():
+        raise InvalidRequest(
+            f"The model '{body.model}' does not support images (it has no vision "
+            "encoder): send text, or pick a model that takes images.",
+            param="messages",
+        )
+
+
+@errors_as(error_response)
+async def messages(request: Request) -> Response:
+    state = server_state(request)
+    data = await _body(request, state)
+    if data is None:
+        return Response(status_code=CLIENT_GONE)
+    target = _native(state, data)
+    if target is not None:
+        return await _passthrough(request, target, data, "/messages")
+
+    def validate() -> tuple[MessagesRequest, GenerationRequest]:
+        check_body_limits(data, state.limits, stop="stop_sequences")
+        body = parse(data, MessagesRequest)
+        return body, body.to_request()
+
+    body, neutral = await state.offload.run(validate)
+    _local_images(state, body)
+    lease, stream = await state.dispatcher.open(neutral)
+    formatter = MessagesFormatter(model=body.model, max_tokens=body.max_tokens)
+    headers = {"x-sluice-slot": slot_header(stream.meta.slot, stream.meta.replica)}
+
+    async def close() -> None:
+        try:
+            await stream.aclose()
+        finally:
+            lease.release()
+
+    async def fold() -> dict[str, Any]:
+        async for event in stream:
+            if isinstance(event, ErrorEvent):
+                raise as_sluice_error(event.error)
+            formatter.frames(event)
+        formatter.end()
+        return formatter.message()
+
+    return await respond(
+        request,
+        state.settings,
+        stream=body.stream,
+        frames=lambda: sse_stream(stream, formatter),
+        fold=fold,
+        close=close,
+        headers=lambda: headers,
+        render_error=error_response,
+        ping=PING,
+        failure_frame=error_frame,
+    )
+
+
+@errors_as(error_response)
+async def count_tokens(request: Request) -> Response:
+    state = server_state(request)
+    data = await _body(request, state)
+    if data is None:
+        return Response(status_code=CLIENT_GONE)
+    target = _native(state, data)
+    if target is not None:
+        return await _passthrough(request, target, data, "/messages/count_tokens")
+
+    def validate() -> tuple[CountTokensRequest, GenerationRequest]:
+        check_body_limits(data, state.limits)
+        body = parse(data, CountTokensRequest)
+        return body, body.to_request()
+
+    body, neutral = await state.offload.run(validate)
+    _local_images(state, body)
+    lease = await state.dispatcher.acquire(body.model)
+    try:
+        count = await run_until_disconnect(
+            request.receive, lease.backend.count_prompt_tokens(neutral)
+        )
+    finally:
+        lease.release()
+    if count is None:
+        return Response(status_code=CLIENT_GONE)
+    return json_response({"input_tokens": count})
+
+
+async def _passthrough(
+    request: Request, target: UpstreamTarget, data: dict[str, Any], path: str
+) -> Response:
+    """A Messages request to an upstream that speaks Messages: its bytes, unchanged."""
+    state = server_state(request)
+    data["model"] = target.model
+    raw = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
+    headers = {k: v for k in _FORWARDED if (v := request.headers.get(k)) is not None}
+    answer = await target.backend().passthrough(path, raw, headers, tap=AnthropicEventTap)
+    return await forward(
+        request, state.settings, answer, failure_frame=error_frame, render_error=error_response
+    )
