@@ -67,6 +67,38 @@ GOOD_BODY = json.dumps(
     indent=1,  # not sluice's own formatting: proves the bytes are the upstream's
 ).encode()
 
+# An upstream that speaks Anthropic's Messages itself (native_apis = ["anthropic"]).
+ANTHROPIC_EVENTS = [
+    {
+        "type": "message_start",
+        "message": {
+            "id": "msg_up",
+            "type": "message",
+            "role": "assistant",
+            "model": "m1",
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": 5, "output_tokens": 0},
+        },
+    },
+    {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+    {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "Hel"}},
+    {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "lo"}},
+    {"type": "content_block_stop", "index": 0},
+    {
+        "type": "message_delta",
+        "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+        "usage": {"input_tokens": 2, "cache_read_input_tokens": 3, "output_tokens": 2},
+    },
+    {"type": "message_stop"},
+]
+
+
+def anthropic_event(data: dict[str, Any]) -> bytes:
+    return f"event: {data['type']}\ndata: {json.dumps(data)}\n\n".encode()
+
+
 Behaviour = Callable[["Upstream", socket.socket, dict[str, Any]], None]
 
 
@@ -187,6 +219,23 @@ class Upstream:
         err = b'{"error": {"message": "slow down", "type": "rate_limit_error"}}'
         self._respond(sock, 429, err, "Retry-After: 7\r\n")
         return True
+
+    def _anthropic(self, sock: socket.socket, body: dict[str, Any]) -> bool:
+        if self.posts[-1]["path"].startswith("/v1/messages/count_tokens"):
+            self._respond(sock, 200, b'{"input_tokens": 42}')
+            return True
+        self._stream_head(sock)
+        for event in ANTHROPIC_EVENTS:
+            self._chunk(sock, anthropic_event(event))
+        sock.sendall(b"0\r\n\r\n")
+        return True
+
+    def _anthropic_drop(self, sock: socket.socket, body: dict[str, Any]) -> bool:
+        self._stream_head(sock)
+        for event in ANTHROPIC_EVENTS[:3]:
+            self._chunk(sock, anthropic_event(event))
+        sock.shutdown(socket.SHUT_RDWR)
+        return False
 
     def _bad_request(self, sock: socket.socket, body: dict[str, Any]) -> bool:
         err = b'{"error": {"message": "no such thing", "type": "invalid_request_error"}}'
@@ -394,3 +443,80 @@ def test_local_model_answers_name_their_slot(stream: bool) -> None:
         assert slot["ttft_ms"]["last"] is not None
         health = httpx.get(f"{base}/health").json()
         assert health["upstreams"]["up"]["status"] == "down"
+
+
+# -- Anthropic's Messages on upstreams ---------------------------------------------------
+
+MESSAGES = {"model": "m1", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def anthropic_events(raw: bytes) -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    for frame in raw.split(b"\n\n")[:-1]:
+        name, data = frame.split(b"\n")
+        out.append((name.removeprefix(b"event: ").decode(), json.loads(data[6:])))
+    return out
+
+
+def test_messages_on_a_translated_upstream_drop_end_with_an_anthropic_error() -> None:
+    with upstreams("drop") as (up,), gateway([up.url]) as base:
+        r = httpx.post(f"{base}/v1/messages", json=MESSAGES | {"stream": True}, timeout=10)
+    assert r.status_code == 200
+    events = anthropic_events(r.content)
+    assert [name for name, _ in events] == [
+        "message_start",
+        "content_block_start",
+        "content_block_delta",
+        "error",
+    ]
+    assert events[-1][1]["error"]["type"] == "api_error"  # a 502 of the table
+    assert up.posts[0]["path"] == "/v1/chat/completions"  # it went up as OpenAI chat
+
+
+def test_messages_on_a_translated_upstream_keep_its_refusals() -> None:
+    with upstreams("busy429") as (up,), gateway([up.url]) as base:
+        busy = httpx.post(f"{base}/v1/messages", json=MESSAGES, timeout=10)
+    assert busy.status_code == 429 and busy.headers["retry-after"] == "7"
+    assert busy.json() == {
+        "type": "error",
+        "error": {"type": "rate_limit_error", "message": "slow down"},
+    }
+    with upstreams("bad_request") as (up,), gateway([up.url]) as base:
+        bad = httpx.post(f"{base}/v1/messages", json=MESSAGES | {"stream": True}, timeout=10)
+    assert bad.status_code == 400 and bad.json()["error"]["message"] == "no such thing"
+
+
+def test_a_native_upstream_gets_the_body_and_headers_and_is_metered() -> None:
+    with upstreams("anthropic") as (up,), gateway([up.url], native_apis=["anthropic"]) as base:
+        headers = {"anthropic-version": "2023-06-01", "anthropic-beta": "x-2099", "x-api-key": "k"}
+        body = MESSAGES | {"model": "alias-m1", "stream": True, "cache_control": {"type": "x"}}
+        r = httpx.post(f"{base}/v1/messages?beta=true", json=body, headers=headers, timeout=10)
+        counted = httpx.post(f"{base}/v1/messages/count_tokens", json=body, timeout=10)
+        slot = httpx.get(f"{base}/v1/info").json()["slots"]["up"]
+    assert r.status_code == 200
+    assert r.content == b"".join(anthropic_event(e) for e in ANTHROPIC_EVENTS)
+    assert counted.json() == {"input_tokens": 42}
+    sent = up.posts[0]
+    assert sent["path"] == "/v1/messages"
+    # The body as the client wrote it, but for the upstream's own model name.
+    assert sent["body"] == body | {"model": "m1"}
+    assert sent["headers"]["anthropic-version"] == "2023-06-01"
+    assert sent["headers"]["anthropic-beta"] == "x-2099"
+    assert "x-api-key" not in sent["headers"]  # the client's key is not the upstream's
+    assert up.posts[1]["path"] == "/v1/messages/count_tokens"
+    # The tap read Anthropic's usage: 2 fresh + 3 cached in, 2 out.
+    assert (slot["tokens_in"], slot["tokens_out"]) == (5, 2)
+
+
+def test_a_native_upstream_drop_ends_with_an_anthropic_error() -> None:
+    with (
+        upstreams("anthropic_drop") as (up,),
+        gateway([up.url], native_apis=["anthropic"]) as base,
+    ):
+        r = httpx.post(f"{base}/v1/messages", json=MESSAGES | {"stream": True}, timeout=10)
+        slot = httpx.get(f"{base}/v1/info").json()["slots"]["up"]
+    assert r.content.startswith(b"".join(anthropic_event(e) for e in ANTHROPIC_EVENTS[:3]))
+    name, error = anthropic_events(r.content)[-1]
+    assert name == "error" and error["type"] == "error"
+    assert error["error"]["type"] == "api_error"
+    assert slot["errors"] == 1
