@@ -211,6 +211,9 @@ class MessagesRequest(_Fields):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0)
     metadata: dict[str, Any] | None = None
+    # llama.cpp's extension, as on the OpenAI endpoints: generate max_tokens, EOS or not
+    # (benchmarks use it to compare dialects token for token)
+    ignore_eos: bool = False
 
     def to_request(self) -> GenerationRequest:
         """The neutral request; :class:`InvalidRequest` naming what is wrong."""
@@ -218,6 +221,7 @@ class MessagesRequest(_Fields):
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=min(self.top_k or 0, _INT32_MAX),
+            ignore_eos=self.ignore_eos,
         )
         return self.prompt_request(
             sampling=sampling,
