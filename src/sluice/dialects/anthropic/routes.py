@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -53,6 +53,8 @@ from sluice.server.state import ServerState, server_state
 from sluice.upstream.backend import slot_header
 
 log = logging.getLogger("sluice.api")
+
+W = TypeVar("W", MessagesRequest, CountTokensRequest)
 
 NATIVE = "anthropic"  # an upstream's native_apis entry for this dialect
 # Request headers a native upstream needs from the client (auth is the slot's own).
@@ -85,23 +87,36 @@ def _local_images(state: ServerState, body: MessagesRequest | CountTokensRequest
         )
 
 
-@errors_as(error_response)
-async def messages(request: Request) -> Response:
+async def _read(
+    request: Request, wire: type[W], upstream_path: str
+) -> Response | tuple[W, GenerationRequest]:
+    """The body as ``wire`` and its neutral request, or the answer already: a native
+    upstream's (passed through to ``upstream_path``), or nobody's (the client left)."""
     state = server_state(request)
     data = await _body(request, state)
     if data is None:
         return Response(status_code=CLIENT_GONE)
     target = _native(state, data)
     if target is not None:
-        return await _passthrough(request, target, data, "/messages")
+        return await _passthrough(request, target, data, upstream_path)
 
-    def validate() -> tuple[MessagesRequest, GenerationRequest]:
+    def validate() -> tuple[W, GenerationRequest]:
         check_body_limits(data, state.limits, stop="stop_sequences")
-        body = parse(data, MessagesRequest)
+        body = parse(data, wire)
         return body, body.to_request()
 
     body, neutral = await state.offload.run(validate)
     _local_images(state, body)
+    return body, neutral
+
+
+@errors_as(error_response)
+async def messages(request: Request) -> Response:
+    read = await _read(request, MessagesRequest, "/messages")
+    if isinstance(read, Response):
+        return read
+    body, neutral = read
+    state = server_state(request)
     lease, stream = await state.dispatcher.open(neutral)
     formatter = MessagesFormatter(model=body.model, max_tokens=body.max_tokens)
     headers = {"x-sluice-slot": slot_header(stream.meta.slot, stream.meta.replica)}
@@ -136,21 +151,11 @@ async def messages(request: Request) -> Response:
 
 @errors_as(error_response)
 async def count_tokens(request: Request) -> Response:
+    read = await _read(request, CountTokensRequest, "/messages/count_tokens")
+    if isinstance(read, Response):
+        return read
+    body, neutral = read
     state = server_state(request)
-    data = await _body(request, state)
-    if data is None:
-        return Response(status_code=CLIENT_GONE)
-    target = _native(state, data)
-    if target is not None:
-        return await _passthrough(request, target, data, "/messages/count_tokens")
-
-    def validate() -> tuple[CountTokensRequest, GenerationRequest]:
-        check_body_limits(data, state.limits)
-        body = parse(data, CountTokensRequest)
-        return body, body.to_request()
-
-    body, neutral = await state.offload.run(validate)
-    _local_images(state, body)
     lease = await state.dispatcher.acquire(body.model)
     try:
         count = await run_until_disconnect(
