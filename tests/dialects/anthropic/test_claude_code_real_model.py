@@ -1,0 +1,270 @@
+"""Claude Code itself (``@anthropic-ai/claude-code`` from npm) against ``sluice serve``
+on the real model, as a user would run it: ``ANTHROPIC_BASE_URL`` at sluice, an API
+key (sent as ``x-api-key``), ``claude -p "..." --model smollm2``.
+
+Claude Code is installed once per machine with npm into ``~/.cache/sluice-npm``
+(a pinned version, reused when present); the tests skip only when npm is missing
+or the install fails (no registry access).
+
+What Claude Code 2.1 sends (recorded with a fake server): ``HEAD /`` first (a 401
+here, since keys are set: Claude Code goes on), then one streamed ``POST
+/v1/messages?beta=true`` with ``max_tokens`` 32000 (above the 8192-token context),
+``thinking: {"type": "adaptive"}``, ``output_config``, ``context_management``,
+``metadata``, a system of text blocks with ``cache_control`` and tools whose
+schemas carry ``$schema``. ``--bare`` keeps three tools (Bash, Edit, Read), a prompt
+of about 1,100 tokens; the default set (~22K tokens) does not fit the context.
+``claude -p /context`` asks ``/v1/messages/count_tokens`` and prints the answers.
+
+Claude Code sends no ``temperature``, so sluice samples at Anthropic's default
+(1.0, no top-p or top-k); on this prompt SmolLM2-135M then rambles in about one
+answer in five until the context is full (``model_context_window_exceeded``, minutes
+here), and Claude Code fails (its follow-up request no longer fits). The answering
+test therefore adds ``temperature: 0`` with Claude Code's own
+``CLAUDE_CODE_EXTRA_BODY``: the rest of the request is Claude Code's, and the greedy
+answer ends in a few tokens.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support.real_server import QUIET, wait_idle
+from tests.support.servers import serve_process
+
+pytestmark = pytest.mark.integration
+
+CLAUDE_CODE_VERSION = "2.1.197"
+API_KEY = "sluice-claude-code-test-key"
+MODEL = "smollm2"
+TIMEOUT = 300  # seconds per `claude` run: generous for a loaded 2-core machine
+
+
+def _npm_prefix() -> Path:
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "sluice-npm" / "claude-code"
+
+
+def _installed_version(prefix: Path) -> str | None:
+    manifest = prefix / "node_modules" / "@anthropic-ai" / "claude-code" / "package.json"
+    try:
+        return str(json.loads(manifest.read_text())["version"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+@pytest.fixture(scope="module")
+def claude() -> str:
+    """The ``claude`` executable, installed with npm once per machine."""
+    npm = shutil.which("npm")
+    if npm is None:
+        pytest.skip("npm is not installed: cannot install @anthropic-ai/claude-code")
+    prefix = _npm_prefix()
+    prefix.mkdir(parents=True, exist_ok=True)
+    entry = prefix / "node_modules" / ".bin" / "claude"
+    # One install at a time (parallel test runs share the folder).
+    with open(prefix.parent / "claude-code.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _installed_version(prefix) != CLAUDE_CODE_VERSION or not entry.exists():
+            cmd = [
+                npm,
+                "install",
+                "--prefix",
+                str(prefix),
+                "--save-exact",
+                "--no-audit",
+                "--no-fund",
+                "--loglevel=error",
+                f"@anthropic-ai/claude-code@{CLAUDE_CODE_VERSION}",
+            ]
+            try:
+                done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=900)
+            except subprocess.TimeoutExpired:
+                pytest.skip("npm install @anthropic-ai/claude-code timed out (no registry?)")
+            if done.returncode != 0 or not entry.exists():
+                pytest.skip(
+                    f"npm install @anthropic-ai/claude-code failed ({done.returncode}): "
+                    f"{(done.stderr or done.stdout)[-1500:]}"
+                )
+    # The package's binary comes from a per-platform optional dependency.
+    try:
+        version = subprocess.run(
+            [str(entry), "--version"], check=False, capture_output=True, text=True, timeout=60
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        pytest.skip(f"the installed claude does not run: {e}")
+    if version.returncode != 0:
+        pytest.skip(f"the installed claude does not run: {version.stdout}{version.stderr}")
+    assert version.stdout.startswith(CLAUDE_CODE_VERSION), version.stdout
+    return str(entry)
+
+
+@pytest.fixture(scope="module")
+def cc_base() -> Iterator[str]:
+    """A server of its own: an 8192-token context (Claude Code's prompt is ~1,100
+    tokens and it asks for 32000 more), one slot, and an API key."""
+    with serve_process("--ctx", "8192", "--parallel", "1", "--api-key", API_KEY, *QUIET) as url:
+        yield url
+
+
+def _auth() -> dict[str, str]:
+    return {"x-api-key": API_KEY}
+
+
+def _metrics(base: str) -> dict[str, float]:
+    """What /metrics says now, in one request (which counts as one for the key):
+    requests by the key, and generations (any model) by outcome."""
+    text = httpx.get(f"{base}/metrics", headers=_auth(), timeout=10).text
+
+    def total(pattern: str) -> float:
+        return sum(float(v) for v in re.findall(rf"^{pattern} (\S+)$", text, re.MULTILINE))
+
+    return {
+        "keyed": total(r'sluice_requests_by_key_total\{key="default"\}'),
+        "ok": total(r'sluice_requests_total\{outcome="ok",[^}]*\}'),
+        "error": total(r'sluice_requests_total\{outcome="error",[^}]*\}'),
+    }
+
+
+def _run_claude(
+    claude: str, base: str, tmp: Path, prompt: str, extra_env: dict[str, str] | None = None
+) -> tuple[int, str, str]:
+    """``claude -p PROMPT`` in a fresh home and working folder, with nothing of this
+    process's environment (no proxies, no user settings); returns (exit, stdout, stderr)."""
+    home, work = tmp / "home", tmp / "work"
+    (home / "tmp").mkdir(parents=True)
+    work.mkdir()
+    env = {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": str(home),
+        "ANTHROPIC_BASE_URL": base,
+        "ANTHROPIC_API_KEY": API_KEY,
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        # No retries: an error from sluice fails the run at once, visibly (with its
+        # default 10 retries Claude Code spends ~3 minutes on a 401 before exiting).
+        "CLAUDE_CODE_MAX_RETRIES": "0",
+        "CLAUDE_CODE_TMPDIR": str(home / "tmp"),
+        **(extra_env or {}),
+    }
+    cmd = [
+        claude,
+        "-p",
+        prompt,
+        "--model",
+        MODEL,
+        "--bare",
+        "--no-session-persistence",
+        "--output-format",
+        "json",
+    ]
+    try:
+        done = subprocess.run(
+            cmd,
+            check=False,
+            cwd=work,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+        )
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr
+        pytest.fail(
+            f"claude -p did not finish in {TIMEOUT} s\n--- stdout\n{out}\n--- stderr\n{err}"
+        )
+    return done.returncode, done.stdout, done.stderr
+
+
+def _result(code: int, out: str, err: str) -> dict[str, Any]:
+    """The JSON result line of ``--output-format json``, checked to be a success."""
+    report = f"exit {code}\n--- stdout\n{out}\n--- stderr\n{err}"
+    assert code == 0, report
+    lines = [line for line in out.splitlines() if line.strip()]
+    try:
+        result = json.loads(lines[-1])
+    except (IndexError, ValueError):
+        pytest.fail(f"no JSON result line\n{report}")
+    assert isinstance(result, dict), report
+    assert result.get("type") == "result", report
+    assert result.get("subtype") == "success", report
+    assert result.get("is_error") is False, report
+    return result
+
+
+def test_claude_code_answers_a_question(claude: str, cc_base: str, tmp_path: Path) -> None:
+    wait_idle(cc_base, within=10)
+    before = _metrics(cc_base)
+
+    code, out, err = _run_claude(
+        claude,
+        cc_base,
+        tmp_path,
+        "What is the capital of France? Answer in one word.",
+        {"CLAUDE_CODE_EXTRA_BODY": json.dumps({"temperature": 0})},
+    )
+    result = _result(code, out, err)
+    report = f"--- stdout\n{out}\n--- stderr\n{err}"
+    # SmolLM2-135M is not asked to be right, only to answer (text, ended by itself).
+    assert isinstance(result.get("result"), str) and result["result"].strip(), report
+    assert result.get("stop_reason") == "end_turn", report
+    assert result.get("num_turns") == 1, report
+    usage = result.get("usage") or {}
+    assert usage.get("output_tokens", 0) > 0, report
+    # The prompt (system, three tools, the question) as sluice counted it.
+    prompt_tokens = usage.get("input_tokens", 0) + usage.get("cache_read_input_tokens", 0)
+    assert 500 < prompt_tokens < 8192, report
+
+    # It was sluice that answered, with the key Claude Code sent (x-api-key): one
+    # generation, ended well, and the key counted Claude Code's request besides the
+    # /metrics request of `after`.
+    wait_idle(cc_base, within=10)
+    after = _metrics(cc_base)
+    assert after["ok"] - before["ok"] == 1, (before, after, report)
+    assert after["error"] == before["error"], (before, after, report)
+    assert after["keyed"] - before["keyed"] >= 2, (before, after, report)
+
+
+def test_claude_code_context_counts_tokens_with_sluice(
+    claude: str, cc_base: str, tmp_path: Path
+) -> None:
+    wait_idle(cc_base, within=10)
+    # Claude Code measures its "Messages" row as the tokens of a one-message
+    # conversation, "foo": sluice's own count of that must be what it prints.
+    foo = {"model": MODEL, "messages": [{"role": "user", "content": "foo"}], "tools": []}
+    counted = httpx.post(
+        f"{cc_base}/v1/messages/count_tokens", json=foo, headers=_auth(), timeout=30
+    )
+    assert counted.status_code == 200, counted.text
+    foo_tokens = counted.json()["input_tokens"]
+    before = _metrics(cc_base)
+
+    code, out, err = _run_claude(claude, cc_base, tmp_path, "/context")
+    result = _result(code, out, err)
+    report = f"--- stdout\n{out}\n--- stderr\n{err}"
+    text = result.get("result")
+    assert isinstance(text, str) and "Context Usage" in text, report
+    assert re.search(r"\*\*Tokens:\*\* [0-9.]+k? / ", text), report
+    rows = dict(re.findall(r"^\| ([^|]+?) \| ([0-9.]+k?) \|", text, re.MULTILINE))
+    assert {"System prompt", "System tools", "Messages"} <= set(rows), report
+    assert rows["Messages"] == str(foo_tokens), (foo_tokens, report)
+    # The three tools' schemas are counted by sluice too: far more than "foo".
+    assert rows["System tools"].isdigit() and int(rows["System tools"]) > foo_tokens, report
+    assert rows["System prompt"].isdigit() and int(rows["System prompt"]) > 0, report
+
+    # Counting generates nothing; the key counted Claude Code's count_tokens
+    # requests besides the /metrics request of `after`.
+    after = _metrics(cc_base)
+    assert (after["ok"], after["error"]) == (before["ok"], before["error"]), (before, after)
+    assert after["keyed"] - before["keyed"] >= 2, (before, after, report)
