@@ -16,6 +16,7 @@ from sluice.core.errors import ContextOverflow, EngineFailure, InvalidRequest, S
 from sluice.core.events import (
     Event,
     Finish,
+    Progress,
     ReasoningDelta,
     Start,
     TextDelta,
@@ -90,6 +91,8 @@ def usage(prompt: int, completion: int, cached: int = 0) -> Usage:
 
 MIXED: list[Event] = [
     Start(0, prompt_tokens=30),
+    Progress(0, "prompt_processing", done=20, total=30, cached=20),  # the admission
+    Progress(0, "prompt_processing", done=30, total=30, cached=20),
     ReasoningDelta(0, "Let me "),
     ReasoningDelta(0, "think."),
     TextDelta(0, "Checking", token_count=1),
@@ -151,7 +154,13 @@ def test_the_sdk_accumulates_the_stream_into_the_body() -> None:
 def test_usage_splits_cache_reads_from_fresh_input() -> None:
     frames, fmt = run(MIXED)
     data = payloads(frames)
-    assert data[0]["message"]["usage"]["input_tokens"] == 30  # before the cache is known
+    # message_start waited for the admission, which knows the cache's share.
+    assert data[0]["message"]["usage"] == {
+        "input_tokens": 10,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 20,
+        "output_tokens": 0,
+    }
     final = data[-2]["usage"]
     assert final == {
         "input_tokens": 10,
@@ -290,3 +299,19 @@ def test_frames_encode_as_named_events() -> None:
     assert first[0] == b"event: message_start"
     assert json.loads(first[1].removeprefix(b"data: "))["type"] == "message_start"
     assert "é".encode() in raw
+
+
+def test_without_an_admission_message_start_counts_the_whole_prompt() -> None:
+    # An upstream's stream: no Progress, the split comes with the usage at the end.
+    events: list[Event] = [
+        Start(0, 0),
+        TextDelta(0, "Hi", token_count=1),
+        Finish(0, "stop", usage(9, 1, 4)),
+    ]
+    frames, _ = run(events)
+    data = payloads(frames)
+    assert [d["type"] for d in data[:2]] == ["message_start", "content_block_start"]
+    assert data[0]["message"]["usage"]["input_tokens"] == 0
+    assert (
+        data[-2]["usage"]["input_tokens"] == 5 and data[-2]["usage"]["cache_read_input_tokens"] == 4
+    )

@@ -5,7 +5,8 @@ One object serves both: fed every event it answers the stream's frames, and
 code from the same events. The stream's contract (Anthropic's streaming reference,
 and what Claude Code's accumulator needs):
 
-1. ``message_start`` once the request is admitted (``content: []``, usage so far);
+1. ``message_start`` once the request is admitted (``content: []``, the prompt's usage:
+   a local model's admission says how much of it the prompt cache holds);
 2. content blocks numbered 0, 1, 2 ... in order: each ``content_block_start``
    before its first ``content_block_delta`` and its ``content_block_stop`` before
    the next block starts (a delta for a block never started is Claude Code's
@@ -20,7 +21,10 @@ A failure after the start is one ``event: error`` frame, and the stream ends.
 
 Usage follows Anthropic's split: ``input_tokens`` are the prompt tokens not read
 from the prompt cache, ``cache_read_input_tokens`` those that were; their sum is
-the prompt.
+the prompt. ``message_start`` waits for the local engine's admission (its first
+``Progress``), which knows the split; an upstream's stream says it only at the end,
+so there ``message_start`` counts the whole prompt as input and ``message_delta``
+corrects it.
 
 Example::
 
@@ -46,6 +50,7 @@ from sluice.core.errors import ContextOverflow, SluiceError, as_sluice_error, sp
 from sluice.core.events import (
     Event,
     Finish,
+    Progress,
     ReasoningDelta,
     Start,
     TextDelta,
@@ -157,17 +162,12 @@ class MessagesFormatter:
     # -- the stream ------------------------------------------------------------------
 
     def start(self) -> list[Frame]:
-        """``message_start``: sent once, at the response's ``Start``."""
+        """``message_start``: sent once, before anything else of the message."""
         if self._started:
             return []
         self._started = True
         message = self._message_head()
-        message["usage"] = {
-            "input_tokens": self.prompt_tokens,
-            "output_tokens": 0,
-            "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": 0,
-        }
+        message["usage"] = self._usage()
         return [_frame("message_start", message=message)]
 
     def frames(self, event: Event) -> list[Frame]:
@@ -176,8 +176,13 @@ class MessagesFormatter:
         out: list[Frame] = []
         if isinstance(event, Start):
             self.prompt_tokens = event.prompt_tokens
+            return []  # message_start waits for the admission: it knows the cache
+        if isinstance(event, Progress):
+            if event.phase == "prompt_processing" and not self._started:
+                self.prompt_tokens = event.total or self.prompt_tokens
+                self.cached_tokens = event.cached
             return self.start()
-        out.extend(self.start())  # a backend that sent no Start still gets one
+        out.extend(self.start())
         if isinstance(event, TextDelta):
             if event.echo:
                 return out
@@ -232,7 +237,7 @@ class MessagesFormatter:
         body["content"] = [self._finished_block(i, b) for i, b in enumerate(self.content)]
         body["stop_reason"] = self.stop_reason
         body["stop_sequence"] = self.stop_sequence
-        body["usage"] = self._usage(with_input=True)
+        body["usage"] = self._usage()
         return body
 
     # -- blocks ------------------------------------------------------------------------
@@ -315,7 +320,7 @@ class MessagesFormatter:
             self.output_tokens = self._counted_output
         self.stop_reason, self.stop_sequence = self._stop(event)
         delta = {"stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence}
-        return [_frame("message_delta", delta=delta, usage=self._usage(with_input=True))]
+        return [_frame("message_delta", delta=delta, usage=self._usage())]
 
     def _stop(self, event: Finish | None) -> tuple[StopReason, str | None]:
         if self._calls:
@@ -332,15 +337,14 @@ class MessagesFormatter:
             return "tool_use", None
         return "end_turn", None
 
-    def _usage(self, *, with_input: bool) -> dict[str, Any]:
-        usage: dict[str, Any] = {}
-        if with_input:
-            cached = min(self.cached_tokens, self.prompt_tokens)
-            usage["input_tokens"] = self.prompt_tokens - cached
-            usage["cache_creation_input_tokens"] = 0
-            usage["cache_read_input_tokens"] = cached
-        usage["output_tokens"] = self.output_tokens
-        return usage
+    def _usage(self) -> dict[str, Any]:
+        cached = min(self.cached_tokens, self.prompt_tokens)
+        return {
+            "input_tokens": self.prompt_tokens - cached,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached,
+            "output_tokens": self.output_tokens,
+        }
 
 
 def _tool_input(arguments: str) -> Any:
