@@ -113,7 +113,7 @@ async def _read(
 @errors_as(error_response)
 async def messages(request: Request) -> Response:
     read = await _read(request, MessagesRequest, "/messages")
-    if isinstance(read, Response):
+    if not isinstance(read, tuple):  # (an SSEResponse is not a starlette Response)
         return read
     body, neutral = read
     state = server_state(request)
@@ -152,7 +152,7 @@ async def messages(request: Request) -> Response:
 @errors_as(error_response)
 async def count_tokens(request: Request) -> Response:
     read = await _read(request, CountTokensRequest, "/messages/count_tokens")
-    if isinstance(read, Response):
+    if not isinstance(read, tuple):  # (an SSEResponse is not a starlette Response)
         return read
     body, neutral = read
     state = server_state(request)

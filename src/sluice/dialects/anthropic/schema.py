@@ -211,6 +211,11 @@ class MessagesRequest(_Fields):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0)
     metadata: dict[str, Any] | None = None
+    # Known, and nothing for sluice to do (so not logged as unknown on every request):
+    # sluice's prompt cache needs no marks; there is one service tier.
+    cache_control: dict[str, Any] | None = None
+    context_management: dict[str, Any] | None = None
+    service_tier: str | None = None
     # llama.cpp's extension, as on the OpenAI endpoints: generate max_tokens, EOS or not
     # (benchmarks use it to compare dialects token for token)
     ignore_eos: bool = False
