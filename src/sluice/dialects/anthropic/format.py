@@ -127,6 +127,10 @@ def _frame(kind: str, **fields: Any) -> Frame:
     return Frame({"type": kind, **fields}, event=kind)
 
 
+def _text_delta(index: int, delta: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "content_block_delta", "index": index, "delta": delta}
+
+
 def _signature(thinking: str) -> str:
     """An opaque signature for a thinking block (clients send it back; sluice does
     not check it): a digest of the text, so the same thinking signs the same."""
@@ -145,11 +149,13 @@ class MessagesFormatter:
         self.id = message_id or new_message_id()
         self.model = model
         self.max_tokens = max_tokens
-        self.content: list[dict[str, Any]] = []
+        self.content: list[dict[str, Any]] = []  # each block as it started
+        # each block's text, thinking or input JSON, in the pieces it came in (joined
+        # once at the end: appending to one string would copy it at every token)
+        self._pieces: list[list[str]] = []
         self._open: Literal["text", "thinking", "tool_use"] | None = None
         self._calls: dict[int, int] = {}  # tool call index -> its block's index
         self._open_call: int | None = None
-        self._arguments: dict[int, list[str]] = {}
         self._started = False
         self.prompt_tokens = 0
         self.cached_tokens = 0
@@ -173,6 +179,14 @@ class MessagesFormatter:
     def frames(self, event: Event) -> list[Frame]:
         if getattr(event, "choice", 0) != 0 or self._finished:
             return []
+        if self._open == "text" and type(event) is TextDelta and not event.echo:
+            # The path of nearly every event: one more piece of the open text block.
+            self._counted_output += event.token_count
+            if not event.text:
+                return []
+            self._pieces[-1].append(event.text)
+            delta = {"type": "text_delta", "text": event.text}
+            return [Frame(_text_delta(len(self.content) - 1, delta), event="content_block_delta")]
         out: list[Frame] = []
         if isinstance(event, Start):
             self.prompt_tokens = event.prompt_tokens
@@ -202,7 +216,6 @@ class MessagesFormatter:
                 "input": {},
             }
             self._calls[event.index] = len(self.content)
-            self._arguments[event.index] = []
             self._open_call = event.index
             out.extend(self._open_block("tool_use", block))
         elif isinstance(event, ToolCallDelta):
@@ -257,7 +270,8 @@ class MessagesFormatter:
         self, kind: Literal["text", "thinking", "tool_use"], block: dict[str, Any]
     ) -> list[Frame]:
         index = len(self.content)
-        self.content.append(dict(block))
+        self.content.append(block)
+        self._pieces.append([])
         self._open = kind
         return [_frame("content_block_start", index=index, content_block=block)]
 
@@ -269,8 +283,7 @@ class MessagesFormatter:
             if kind == "thinking":
                 empty = {"type": "thinking", "thinking": "", "signature": ""}
             out.extend(self._open_block(kind, empty))
-        block = self.content[-1]
-        block[kind] += delta[kind]
+        self._pieces[-1].append(delta[kind])
         out.append(_frame("content_block_delta", index=len(self.content) - 1, delta=delta))
         return out
 
@@ -282,7 +295,7 @@ class MessagesFormatter:
             # parallel calls): Anthropic's stream cannot reopen a block.
             log.warning("tool call %d: arguments after its block stopped, dropped", event.index)
             return []
-        self._arguments[event.index].append(event.arguments)
+        self._pieces[self._calls[event.index]].append(event.arguments)
         delta = {"type": "input_json_delta", "partial_json": event.arguments}
         return [_frame("content_block_delta", index=self._calls[event.index], delta=delta)]
 
@@ -292,8 +305,8 @@ class MessagesFormatter:
         index = len(self.content) - 1
         out: list[Frame] = []
         if self._open == "thinking":
-            signature = _signature(self.content[index]["thinking"])
-            self.content[index]["signature"] = signature
+            signature = _signature("".join(self._pieces[index]))
+            self.content[index] = {**self.content[index], "signature": signature}
             delta = {"type": "signature_delta", "signature": signature}
             out.append(_frame("content_block_delta", index=index, delta=delta))
         out.append(_frame("content_block_stop", index=index))
@@ -302,10 +315,11 @@ class MessagesFormatter:
         return out
 
     def _finished_block(self, index: int, block: dict[str, Any]) -> dict[str, Any]:
-        if block["type"] != "tool_use":
-            return block
-        call = next(i for i, b in self._calls.items() if b == index)
-        return {**block, "input": _tool_input("".join(self._arguments[call]))}
+        whole = "".join(self._pieces[index])
+        kind = block["type"]
+        if kind == "tool_use":
+            return {**block, "input": _tool_input(whole)}
+        return {**block, kind: whole}
 
     # -- the end -----------------------------------------------------------------------
 
