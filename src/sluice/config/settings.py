@@ -258,6 +258,12 @@ class Settings:
         "SQLite file of the conversations (/c1) and stored responses",
         shown="$XDG_DATA_HOME/sluice/sluice.db",
     )
+    resume_grace: float = setting(
+        300.0,
+        "store",
+        "seconds a stored Responses stream's events stay resumable after it ends; a "
+        "foreground stream whose client left keeps generating this long for a resume",
+    )
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> Settings:

@@ -33,6 +33,7 @@ from sluice.dialects.gateway import routes as gateway
 from sluice.dialects.lmstudio import chat as lmstudio_chat
 from sluice.dialects.lmstudio import routes as lmstudio
 from sluice.dialects.openai import routes as openai
+from sluice.dialects.responses import routes as responses
 from sluice.engine.runner import ModelRunner
 from sluice.local.model import LocalModel
 from sluice.server.auth import ApiKeys, BearerAuth, names_line
@@ -101,6 +102,7 @@ def create_app(
             yield
         finally:
             await state.downloads.close()  # a running download keeps its .part to resume
+            await state.runs.close()  # background responses end (stored as cancelled)
             await state.dispatcher.close()
             await state.mcp.close()  # plugin servers stop (stdio children end)
             await state.store.close()  # after the streams: their turns are recorded first
@@ -145,6 +147,13 @@ def create_app(
             Route("/v1/completions", openai.completions, methods=["POST"]),
             Route("/v1/messages", anthropic.messages, methods=["POST"]),
             Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
+            Route("/v1/responses", responses.create, methods=["POST"]),
+            Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
+            Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
+            Route("/v1/responses/{response_id}/cancel", responses.cancel, methods=["POST"]),
+            Route(
+                "/v1/responses/{response_id}/input_items", responses.input_items, methods=["GET"]
+            ),
             Route("/v1/models", openai.list_models, methods=["GET"]),
             Route("/v1/models/{model_id:path}", openai.get_model, methods=["GET"]),
             Route("/c1/chat", gateway.chat, methods=["POST"]),

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from starlette.requests import Request
@@ -32,6 +32,7 @@ from sluice.models.downloads import DownloadManager
 from sluice.models.gguf import estimate_memory, read_gguf_info
 from sluice.models.registry import ModelRegistry
 from sluice.server.jsonbody import BodyLimits
+from sluice.server.runs import Runs
 from sluice.store import ConversationStore
 from sluice.tools.mcp import McpManager
 from sluice.upstream.backend import UpstreamSlot
@@ -53,6 +54,8 @@ class ServerState:
     # conversations and stored responses; opened by the lifespan, before any request
     _store: ConversationStore | None = None
     draining: bool = False
+    # Responses generating beyond their request (background, resumable streams)
+    runs: Runs = field(default_factory=Runs)
 
     @property
     def store(self) -> ConversationStore:

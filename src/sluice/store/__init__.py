@@ -17,6 +17,7 @@ from sluice.store.models import (
     MessageStatus,
     NewMessage,
     StoreClosed,
+    StoredResponse,
     StoreFailed,
     UnknownConversation,
 )
@@ -35,5 +36,6 @@ __all__ = [
     "SQLiteStore",
     "StoreClosed",
     "StoreFailed",
+    "StoredResponse",
     "UnknownConversation",
 ]

@@ -107,6 +107,24 @@ class NewMessage:
     id: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class StoredResponse:
+    """An OpenAI Responses API response as ``GET /v1/responses/{id}`` returns it.
+
+    ``body`` is the response object, ``input_items`` the request's input (with
+    ids), ``conversation_id`` the conversation whose tree holds its messages (the
+    assistant message of the response has the response's id), what a
+    ``previous_response_id`` continues.
+    """
+
+    id: str
+    owner: str
+    conversation_id: str | None
+    body: dict[str, Any]
+    input_items: list[dict[str, Any]]
+    created_at: float
+
+
 class UnknownConversation(NotFound):
     """A message was added to a conversation that does not exist (or was deleted meanwhile)."""
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from sluice.store.models import Conversation, Message, NewMessage
+from sluice.store.models import Conversation, Message, NewMessage, StoredResponse
 
 
 class ConversationStore(Protocol):
@@ -97,6 +97,20 @@ class ConversationStore(Protocol):
 
     async def get_message(self, message_id: str) -> Message | None:
         """One message by id (any conversation: the caller checks ownership)."""
+        ...
+
+    async def put_response(self, response: StoredResponse) -> None:
+        """Store ``response`` (or replace the one with its id: a background response is
+        stored when it starts, and again when it ends)."""
+        ...
+
+    async def get_response(self, response_id: str, *, owner: str) -> StoredResponse | None:
+        """The stored response ``response_id`` of ``owner``; None if unknown or another's."""
+        ...
+
+    async def delete_response(self, response_id: str, *, owner: str) -> bool:
+        """Forget the response (its messages stay in their conversation); False if
+        there was none of ``owner``'s."""
         ...
 
     async def close(self) -> None:

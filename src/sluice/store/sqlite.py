@@ -53,6 +53,7 @@ from sluice.store.models import (
     Message,
     NewMessage,
     StoreClosed,
+    StoredResponse,
     StoreFailed,
     UnknownConversation,
     new_id,
@@ -98,6 +99,16 @@ MIGRATIONS: tuple[str, ...] = (
     );
     CREATE INDEX messages_by_conversation ON messages (conversation_id, seq);
     CREATE INDEX messages_by_parent ON messages (parent_id);
+    """,
+    """
+    CREATE TABLE responses (
+        id TEXT PRIMARY KEY,
+        owner TEXT NOT NULL,
+        conversation_id TEXT REFERENCES conversations (id) ON DELETE CASCADE,
+        created_at REAL NOT NULL,
+        body TEXT NOT NULL,  -- JSON: the response object
+        input_items TEXT NOT NULL  -- JSON
+    );
     """,
 )
 
@@ -326,6 +337,46 @@ class SQLiteStore:
             return None if row is None else _message(row)
 
         return await self._call(work, writes=False)
+
+    async def put_response(self, response: StoredResponse) -> None:
+        def work(conn: sqlite3.Connection) -> None:
+            conn.execute(
+                "INSERT OR REPLACE INTO responses"
+                " (id, owner, conversation_id, created_at, body, input_items)"
+                " VALUES (?,?,?,?,?,?)",
+                (
+                    response.id,
+                    response.owner,
+                    response.conversation_id,
+                    response.created_at,
+                    _json(response.body),
+                    _json(response.input_items),
+                ),
+            )
+
+        await self._call(work, writes=True)
+
+    async def get_response(self, response_id: str, *, owner: str) -> StoredResponse | None:
+        def work(conn: sqlite3.Connection) -> StoredResponse | None:
+            row = conn.execute(
+                "SELECT id, owner, conversation_id, body, input_items, created_at"
+                " FROM responses WHERE id = ? AND owner = ?",
+                (response_id, owner),
+            ).fetchone()
+            if row is None:
+                return None
+            return StoredResponse(row[0], row[1], row[2], _unjson(row[3]), _unjson(row[4]), row[5])
+
+        return await self._call(work, writes=False)
+
+    async def delete_response(self, response_id: str, *, owner: str) -> bool:
+        def work(conn: sqlite3.Connection) -> bool:
+            cursor = conn.execute(
+                "DELETE FROM responses WHERE id = ? AND owner = ?", (response_id, owner)
+            )
+            return cursor.rowcount > 0
+
+        return await self._call(work, writes=True)
 
     async def close(self) -> None:
         if self._closed is None:
