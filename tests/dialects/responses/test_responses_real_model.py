@@ -1,0 +1,112 @@
+"""OpenAI's Responses API on the real SmolLM2 through the official ``openai`` SDK, on the
+local model and on an upstream model (a second sluice in front of the first, slot
+``up``, translated from OpenAI chat)."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+
+from tests.support.real_server import QUIET, wait_idle
+from tests.support.servers import serve_process
+
+pytestmark = pytest.mark.integration
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Get the current weather in a city.",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+    },
+}
+BACKENDS = ["smollm2", "up-smollm2"]
+
+
+@pytest.fixture(scope="module")
+def gateway(base: str) -> Iterator[str]:
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "sluice.toml"
+        config.write_text(
+            f'[[upstreams]]\nname = "up"\nurl = "{base}"\nmodels = ["smollm2"]\n'
+            'aliases = { "up-smollm2" = "smollm2" }\n'
+        )
+        with serve_process("--config", str(config), *QUIET) as url:
+            yield url
+
+
+@pytest.fixture
+def client(base: str, gateway: str, request: pytest.FixtureRequest) -> Iterator[OpenAI]:
+    wait_idle(base, within=10)
+    model = request.node.callspec.params["model"]
+    url = base if model == "smollm2" else gateway
+    with OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.mark.parametrize("model", BACKENDS)
+def test_create_stream_retrieve_and_continue(client: OpenAI, model: str) -> None:
+    plain = client.responses.create(
+        model=model, input="Name a color.", max_output_tokens=24, temperature=0
+    )
+    assert plain.id.startswith("resp_") and plain.status in ("completed", "incomplete")
+    assert plain.output_text and plain.usage is not None and plain.usage.input_tokens > 5
+    with client.responses.stream(
+        model=model,
+        input="Name three colors.",
+        instructions="Be brief.",
+        max_output_tokens=200,
+        temperature=0,
+    ) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert len(deltas) > 1 and "".join(deltas) == final.output_text
+    assert client.responses.retrieve(final.id).output_text == final.output_text
+    follow = client.responses.create(
+        model=model, input="And one more?", previous_response_id=final.id, max_output_tokens=16
+    )
+    # The history came along: the prompt is longer than the new input alone.
+    assert follow.usage is not None and final.usage is not None
+    assert follow.usage.input_tokens > final.usage.input_tokens
+
+
+@pytest.mark.parametrize("model", BACKENDS)
+def test_a_function_call_round_trip(client: OpenAI, model: str) -> None:
+    first = client.responses.create(
+        model=model,
+        input="What is the weather in Paris?",
+        tools=[WEATHER, {"type": "web_search"}],  # type: ignore[list-item]
+        tool_choice="required",
+        max_output_tokens=48,
+    )
+    call = next(o for o in first.output if o.type == "function_call")
+    assert call.name == "get_weather" and call.call_id and call.id.startswith("fc_")
+    second = client.responses.create(
+        model=model,
+        previous_response_id=first.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "18C, sunny"}],
+        tools=[WEATHER],  # type: ignore[list-item]
+        tool_choice="none",
+        max_output_tokens=24,
+    )
+    assert second.output_text
+
+
+def test_background_and_resume(base: str) -> None:
+    wait_idle(base, within=10)
+    with OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=120) as c:
+        started = c.responses.create(
+            model="smollm2", input="Tell a story.", background=True, max_output_tokens=48
+        )
+        assert started.status == "queued"
+        with c.responses.stream(response_id=started.id, starting_after=1) as stream:
+            events = list(stream)
+        assert events[0].sequence_number == 2
+        assert events[-1].type in ("response.completed", "response.incomplete")
+        assert c.responses.retrieve(started.id).status == events[-1].response.status  # type: ignore[union-attr]
