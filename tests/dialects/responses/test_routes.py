@@ -205,3 +205,85 @@ def test_tools_a_local_server_cannot_run_are_accepted() -> None:
         )
     assert r.status_code == 200, r.text
     assert r.json()["output"][0]["content"][0]["text"] == "Hello world!"
+
+
+def test_what_codex_sends_is_one_system_prompt_first() -> None:
+    from sluice.dialects.responses.schema import parse
+
+    body = parse(
+        {
+            "model": "m",
+            "stream": True,
+            "store": False,
+            "input": [
+                {
+                    "type": "message",
+                    "id": "msg_a",
+                    "role": "developer",
+                    "content": [{"type": "input_text", "text": "Base."}],
+                },
+                {
+                    "type": "message",
+                    "id": "msg_b",
+                    "role": "developer",
+                    "content": [{"type": "input_text", "text": "Skills."}],
+                },
+                {
+                    "type": "message",
+                    "id": "msg_c",
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "Hi"}],
+                },
+                {
+                    "type": "reasoning",
+                    "id": "rs_1",
+                    "summary": [],
+                    "content": None,
+                    "encrypted_content": "E",
+                },
+                {
+                    "type": "function_call",
+                    "status": "completed",
+                    "id": "fc_1",
+                    "name": "exec_command",
+                    "arguments": "{}",
+                    "call_id": "call_1",
+                },
+                {
+                    "type": "function_call_output",
+                    "id": "fco_1",
+                    "call_id": "call_1",
+                    "output": "ok",
+                },
+            ],
+            "tools": [
+                {"type": "namespace", "name": "multi_agent_v1", "tools": []},
+                {"type": "web_search"},
+            ],
+            "tool_choice": "auto",
+            "parallel_tool_calls": True,
+            "reasoning": {},
+            "include": ["reasoning.encrypted_content"],
+            "prompt_cache_key": "k",
+            "client_metadata": {"session_id": "s"},
+        }
+    )
+    request = body.neutral_request([])
+    assert request.messages == [
+        {"role": "system", "content": "Base.\n\nSkills."},
+        {"role": "user", "content": "Hi"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "exec_command", "arguments": "{}"},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "ok"},
+    ]
+    assert request.tools is None and request.tool_choice is None
+    assert body.unknown_fields() == []

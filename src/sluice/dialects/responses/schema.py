@@ -105,6 +105,7 @@ class ResponsesRequest(_Wire):
     prompt_cache_key: str | None = None
     service_tier: str | None = None
     safety_identifier: str | None = None
+    client_metadata: dict[str, Any] | None = None  # Codex's, on every request
     # llama.cpp's extension, as on the OpenAI endpoints (benchmarks compare token counts)
     ignore_eos: bool = False
 
@@ -209,11 +210,17 @@ class ResponsesRequest(_Wire):
     def neutral_request(self, history: list[dict[str, Any]]) -> GenerationRequest:
         """The neutral request: the instructions, ``history`` (a continued response's
         messages, without its instructions), then this request's input."""
-        messages: list[dict[str, Any]] = []
-        if self.instructions:
-            messages.append({"role": "system", "content": self.instructions})
-        messages += history
-        messages += self.input_messages()
+        turns = history + self.input_messages()
+        # One system message, first: the instructions and every system or developer
+        # message (Codex sends its prompt as developer messages); many chat templates
+        # refuse a system message anywhere else, or a second one.
+        system = [self.instructions] if self.instructions else []
+        system += [
+            m["content"] for m in turns if m["role"] == "system" and isinstance(m["content"], str)
+        ]
+        messages = [m for m in turns if m["role"] != "system" or not isinstance(m["content"], str)]
+        if system:
+            messages.insert(0, {"role": "system", "content": "\n\n".join(system)})
         if not messages:
             raise InvalidRequest("'input' is empty", param="input")
         tools = self.neutral_tools()
