@@ -163,6 +163,14 @@ class Dispatcher:
                 return UpstreamTarget(slot, model)
         return None
 
+    def native(self, name: object, api: str) -> UpstreamTarget | None:
+        """The upstream target for ``name`` when its slot speaks ``api`` itself
+        (``native_apis``): a request in that dialect then passes through unchanged."""
+        target = self.upstream(name) if isinstance(name, str) else None
+        if target is None or api not in target.slot.spec.native_apis:
+            return None
+        return target
+
     async def open(
         self,
         request: GenerationRequest,

@@ -70,11 +70,7 @@ async def _body(request: Request, state: ServerState) -> dict[str, Any] | None:
 
 def _native(state: ServerState, data: dict[str, Any]) -> UpstreamTarget | None:
     """The upstream target when the model's slot speaks Messages itself."""
-    name = data.get("model")
-    target = state.dispatcher.upstream(name) if isinstance(name, str) else None
-    if target is None or NATIVE not in target.slot.spec.native_apis:
-        return None
-    return target
+    return state.dispatcher.native(data.get("model"), NATIVE)
 
 
 def _local_images(state: ServerState, body: MessagesRequest | CountTokensRequest) -> None:

@@ -66,6 +66,7 @@ from sluice.server.sse import (
     error_frame,
     error_response,
     json_response,
+    sse_stream,
 )
 from sluice.server.state import ServerState, server_state
 from sluice.store import NewMessage, StoredResponse
@@ -333,15 +334,8 @@ async def create(request: Request) -> Response:
     async def frames() -> AsyncIterator[bytes]:
         for frame in formatter.start():
             yield encode(frame)
-        async for event in stream:
-            if isinstance(event, ErrorEvent):
-                for frame in formatter.error(event.error):
-                    yield encode(frame)
-                return
-            for frame in formatter.frames(event):
-                yield encode(frame)
-        for frame in formatter.end():
-            yield encode(frame)
+        async for chunk in sse_stream(stream, formatter):
+            yield chunk
 
     async def fold() -> dict[str, Any]:
         formatter.start()
@@ -468,11 +462,7 @@ async def input_items(request: Request) -> Response:
 
 
 def _native(state: ServerState, data: dict[str, Any]) -> UpstreamTarget | None:
-    name = data.get("model")
-    target = state.dispatcher.upstream(name) if isinstance(name, str) else None
-    if target is None or NATIVE not in target.slot.spec.native_apis:
-        return None
-    return target
+    return state.dispatcher.native(data.get("model"), NATIVE)
 
 
 async def _passthrough(request: Request, target: UpstreamTarget, data: dict[str, Any]) -> Response:
