@@ -557,6 +557,43 @@ class AnthropicEventTap(OpenAIChunkTap):
             self._completion = output
 
 
+class ResponsesEventTap(OpenAIChunkTap):
+    """The same, for an upstream that serves OpenAI's Responses API natively: each text or
+    arguments delta counts one token until the terminal event's usage says."""
+
+    _TERMINAL = ("response.completed", "response.incomplete", "response.failed", "error")
+
+    def chunk(self, data: Mapping[str, Any]) -> None:
+        kind = data.get("type")
+        if kind in ("response.output_text.delta", "response.function_call_arguments.delta"):
+            self._meter.tokens(1)
+        elif kind in ("response.failed", "error"):
+            self._error = True
+        if kind in self._TERMINAL:
+            self._response_usage(data.get("response"))
+
+    def body(self, data: Mapping[str, Any]) -> None:
+        if data.get("error"):
+            self._error = True
+            return
+        self._meter.first_token()
+        self._response_usage(data)
+        if self._completion is not None:
+            self._meter.tokens(self._completion)
+
+    def ended(self, data: Mapping[str, Any]) -> bool:
+        return data.get("type") in self._TERMINAL
+
+    def _response_usage(self, response: object) -> None:
+        usage = response.get("usage") if isinstance(response, Mapping) else None
+        if not isinstance(usage, Mapping):
+            return
+        if _is_count(usage.get("input_tokens")):
+            self._prompt = usage["input_tokens"]
+        if _is_count(usage.get("output_tokens")):
+            self._completion = usage["output_tokens"]
+
+
 def _carries_content(choice: object) -> bool:
     if not isinstance(choice, Mapping):
         return False

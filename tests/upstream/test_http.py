@@ -95,6 +95,17 @@ ANTHROPIC_EVENTS = [
 ]
 
 
+RESPONSES_EVENTS = [
+    {"type": "response.created", "sequence_number": 0, "response": {"id": "resp_up"}},
+    {"type": "response.output_text.delta", "sequence_number": 1, "delta": "Hi", "logprobs": []},
+    {
+        "type": "response.completed",
+        "sequence_number": 2,
+        "response": {"id": "resp_up", "usage": {"input_tokens": 7, "output_tokens": 1}},
+    },
+]
+
+
 def anthropic_event(data: dict[str, Any]) -> bytes:
     return f"event: {data['type']}\ndata: {json.dumps(data)}\n\n".encode()
 
@@ -227,6 +238,13 @@ class Upstream:
         self._stream_head(sock)
         for event in ANTHROPIC_EVENTS:
             self._chunk(sock, anthropic_event(event))
+        sock.sendall(b"0\r\n\r\n")
+        return True
+
+    def _responses(self, sock: socket.socket, body: dict[str, Any]) -> bool:
+        self._stream_head(sock)
+        for event in RESPONSES_EVENTS:
+            self._chunk(sock, anthropic_event(event))  # the same named-event framing
         sock.sendall(b"0\r\n\r\n")
         return True
 
@@ -520,3 +538,16 @@ def test_a_native_upstream_drop_ends_with_an_anthropic_error() -> None:
     assert name == "error" and error["type"] == "error"
     assert error["error"]["type"] == "api_error"
     assert slot["errors"] == 1
+
+
+def test_a_native_responses_upstream_gets_the_body_and_its_bytes_come_back() -> None:
+    with upstreams("responses") as (up,), gateway([up.url], native_apis=["responses"]) as base:
+        body = {"model": "alias-m1", "input": "hi", "stream": True, "client_metadata": {"x": 1}}
+        r = httpx.post(f"{base}/v1/responses", json=body, timeout=10)
+        slot = httpx.get(f"{base}/v1/info").json()["slots"]["up"]
+    assert r.status_code == 200
+    assert r.content == b"".join(anthropic_event(e) for e in RESPONSES_EVENTS)
+    # The tap read the Responses events: the terminal one ends it, with its usage.
+    assert (slot["tokens_in"], slot["tokens_out"], slot["errors"]) == (7, 1, 0)
+    assert up.posts[0]["path"] == "/v1/responses"
+    assert up.posts[0]["body"] == body | {"model": "m1"}

@@ -54,6 +54,7 @@ from sluice.dialects.responses.format import (
     new_id,
 )
 from sluice.dialects.responses.schema import ResponsesRequest, parse
+from sluice.metrics import ResponsesEventTap
 from sluice.models.dispatch import SlotLease, UpstreamTarget
 from sluice.server.auth import key_name
 from sluice.server.body import read_request_body
@@ -471,7 +472,7 @@ async def _passthrough(request: Request, target: UpstreamTarget, data: dict[str,
     raw = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
     accept = request.headers.get("accept")
     answer = await target.backend().passthrough(
-        "/responses", raw, {"accept": accept} if accept else None
+        "/responses", raw, {"accept": accept} if accept else None, tap=ResponsesEventTap
     )
     return await forward(
         request, state.settings, answer, failure_frame=error_frame, render_error=error_response
