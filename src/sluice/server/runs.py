@@ -49,7 +49,6 @@ class Run:
         self._changed = asyncio.Event()
         self._followers = 0
         self._orphaned: asyncio.TimerHandle | None = None
-        self.cancelled = False
 
     def publish(self, chunks: list[bytes]) -> None:
         """Append frames (encoded, in sequence order) and wake the followers."""
@@ -98,7 +97,6 @@ class Run:
     def cancel(self) -> None:
         """Stop the generation (its work stores what it made and ends the run)."""
         if not self.done and self.task is not None:
-            self.cancelled = True
             self.task.cancel()
 
     async def wait(self) -> None:

@@ -17,8 +17,8 @@ carries), built by the same code from the same events. The stream:
    call's ``call_id``) is the same in every event and in the final response;
 3. exactly one terminal event: ``response.completed``, ``response.incomplete``
    (``max_output_tokens``) or ``response.failed`` (``error.code``, e.g.
-   ``context_length_exceeded``); a cancelled response ends with
-   ``response.cancelled``-free silence: its status says ``cancelled``.
+   ``context_length_exceeded``). A cancelled response gets no terminal event:
+   its status, retrieved, says ``cancelled``.
 
 Every frame's data has ``type`` (also the SSE event name) and ``sequence_number``,
 from 0, one more per frame.
@@ -330,9 +330,6 @@ class ResponsesFormatter:
             "user": f.user,
             "metadata": f.metadata,
         }
-
-    def output_text(self) -> str:
-        return "".join("".join(i.pieces) for i in self.items if i.kind == "message")
 
     # -- items -------------------------------------------------------------------------
 

@@ -33,6 +33,7 @@ lists its input. Another key's response is a 404.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -205,8 +206,7 @@ async def _store(state: ServerState, p: _Prepared, formatter: ResponsesFormatter
             )
         new.append(_transcript(formatter))
         if p.parent_id is not None:
-            first = new[0]
-            new[0] = NewMessage(**{**_fields_of(first), "parent_id": p.parent_id})
+            new[0] = dataclasses.replace(new[0], parent_id=p.parent_id)
         conversation_id = p.conversation_id
         if conversation_id is None:
             conversation = await state.store.create_conversation(
@@ -228,10 +228,6 @@ async def _store(state: ServerState, p: _Prepared, formatter: ResponsesFormatter
         log.error("storing response %s failed: %s", formatter.fields.id, exc.message)
     except Exception:
         log.exception("storing response %s failed", formatter.fields.id)
-
-
-def _fields_of(message: NewMessage) -> dict[str, Any]:
-    return {name: getattr(message, name) for name in NewMessage.__dataclass_fields__}
 
 
 def _encode(frames: list[Any]) -> list[bytes]:

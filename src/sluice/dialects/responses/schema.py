@@ -30,7 +30,7 @@ Example::
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -363,6 +363,3 @@ def items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 f"{where}: input items of type '{shown}' are not supported", param=f"{where}.type"
             )
     return out
-
-
-Status = Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
