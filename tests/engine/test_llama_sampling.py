@@ -123,3 +123,63 @@ def _quiet_chunk_alone(runner: LlamaRunner) -> None:
     runner.keep_prefix(1, 41)
     runner.decode([BatchEntry(0, prompt[64:70], 64, True), gen[0]])
     assert runner._rows is None
+
+
+def generate(runner: LlamaRunner, params: SamplingParams, text: str, n: int) -> tuple[str, Any]:
+    """Up to ``n`` tokens after ``text`` (sequence 0), sampled with ``params``; the
+    text and the sampler (freed), the cache cleared."""
+    prompt = runner.tokenize(text, add_special=False)
+    sampler = runner.new_sampler(params, prompt)
+    out = b""
+    try:
+        runner.decode([BatchEntry(0, prompt, 0)])
+        pos = row = len(prompt)
+        row -= 1  # the batch row of the prompt's last token, then of each new one
+        for _ in range(n):
+            token = runner.sample(sampler, row)
+            row = 0
+            if runner.is_eog(token):
+                break
+            out += runner.token_bytes(token, special=True)
+            runner.decode([BatchEntry(0, [token], pos)])
+            pos += 1
+    finally:
+        runner.free_sampler(sampler)
+        runner.keep_prefix(0, 0)
+    return out.decode(errors="replace"), sampler
+
+
+LAZY_PROMPT = "Say <tool_call> hi.\nSay <tool_call> hi.\nSay <tool_call> hi.\nSay"
+LAZY = SamplingParams(
+    temperature=0.0,
+    grammar='root ::= "<tool_call> zzz qqq."',
+    grammar_triggers=(r"[\s\S]*?(<tool_call>)[\s\S]*",),
+    grammar_trigger_words=("<tool_call>",),
+)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        LAZY,  # greedy without a chain until the trigger
+        dataclasses.replace(LAZY, repeat_penalty=1.05),  # a chain of penalties + greedy
+        dataclasses.replace(LAZY, temperature=0.5, top_k=1, seed=3),  # a random chain
+    ],
+    ids=["chainless", "penalties", "random"],
+)
+def test_a_deferred_lazy_grammar_engages_at_its_trigger(
+    runner: LlamaRunner, params: SamplingParams
+) -> None:
+    free, _ = generate(runner, dataclasses.replace(params, grammar=None), LAZY_PROMPT, 8)
+    assert free.startswith(" <tool_call> hi."), free  # what the model writes by itself
+    # The grammar stays out of the way until the model writes the trigger, then
+    # takes over from the tag: the rest is the grammar's, and it ends there.
+    text, sampler = generate(runner, params, LAZY_PROMPT, 16)
+    assert text == " <tool_call> zzz qqq.", text
+    assert sampler.scan is None and sampler.grammar is None  # engaged (and freed)
+    # Without the trigger the output is free, and nothing was ever checked twice.
+    plain = "The capital of France is"
+    free, _ = generate(runner, dataclasses.replace(params, grammar=None), plain, 12)
+    text, sampler = generate(runner, params, plain, 12)
+    assert text == free and "<tool_call>" not in text
+    assert sampler.scan is not None and sampler.scan.checks == 0

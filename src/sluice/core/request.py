@@ -43,6 +43,9 @@ class SamplingParams:
     ignore_eos: bool = False
     grammar: str | None = None  # GBNF; constrains every sampled token
     grammar_triggers: tuple[str, ...] = ()  # regexes: the grammar engages once one matches
+    # The literal texts every trigger match's capture starts with (a hint that lets
+    # the local engine run the patterns only when one appears: sluice.engine.trigger).
+    grammar_trigger_words: tuple[str, ...] = ()
 
     @property
     def uses_penalties(self) -> bool:

@@ -33,6 +33,7 @@ from sluice.core.events import TokenLogprob, TopLogprob
 from sluice.core.request import SamplingParams
 from sluice.engine.runner import BatchEntry, DecodeError, ModelInfo
 from sluice.engine.text import literal_regex
+from sluice.engine.trigger import TriggerScanner
 
 log = logging.getLogger("sluice.llama")
 
@@ -286,13 +287,20 @@ class _Chain:
     need is made only when the argmax is a biased token.
     """
 
-    __slots__ = ("bias", "biased", "lowers_only", "ptr")
+    __slots__ = ("bias", "biased", "biases", "grammar", "lowers_only", "ptr", "scan", "tokens")
 
     def __init__(self, ptr: Any, biases: list[tuple[int, float]] | None = None) -> None:
         self.ptr = ptr  # None: greedy, done in LlamaRunner.sample
+        self.biases = biases or []
         self.bias: tuple[npt.NDArray[np.intp], npt.NDArray[np.float32]] | None = None
         self.biased: frozenset[int] = frozenset()
         self.lowers_only = True
+        # A lazy grammar not engaged yet: llama.cpp's sampler, kept out of the chain
+        # while `scan` watches the output for its trigger (see sluice.engine.trigger),
+        # and the tokens sampled so far (the tail from the trigger is fed to it).
+        self.grammar: Any = None
+        self.scan: TriggerScanner | None = None
+        self.tokens: list[int] = []
         if biases:
             ids = np.array([t for t, _ in biases], dtype=np.intp)
             self.bias = (ids, np.array([b for _, b in biases], dtype=np.float32))
@@ -537,8 +545,12 @@ class LlamaRunner:
         return 0 <= token < self.n_vocab
 
     def new_sampler(self, params: SamplingParams, prompt: list[int]) -> _Chain:
-        """Build the chain llama.cpp's own server uses, in the same order."""
-        L = self._L
+        """Build the chain llama.cpp's own server uses, in the same order.
+
+        A lazy grammar with trigger words stays out of the chain until a trigger
+        matches (see :mod:`sluice.engine.trigger` and :meth:`_engage`); it is built
+        here all the same, so that a grammar llama.cpp refuses is a 400 now.
+        """
         for token, _bias in params.logit_bias:
             if not self.valid_token(token):
                 raise InvalidRequest(
@@ -547,30 +559,41 @@ class LlamaRunner:
         biases = list(params.logit_bias)
         if params.ignore_eos:
             biases += [(t, float("-inf")) for t in self._eog_tokens()]
-        penalties_on = params.uses_penalties and params.penalty_last_n != 0
-        if params.temperature <= 0 and not params.grammar and not penalties_on:
-            return _Chain(None, biases)
-        chain_params = L.llama_sampler_chain_default_params()
-        chain_params.no_perf = True
-        chain = L.llama_sampler_chain_init(chain_params)
+        grammar = None
         if params.grammar:
             grammar = self._grammar_sampler(params)
             if not grammar:
-                L.llama_sampler_free(chain)
                 raise InvalidRequest(
                     "The constraint grammar for this request could not be built "
                     "(see the server log for llama.cpp's reason)."
                 )
+        deferred = grammar is not None and bool(params.grammar_trigger_words)
+        penalties_on = params.uses_penalties and params.penalty_last_n != 0
+        if params.temperature <= 0 and (grammar is None or deferred) and not penalties_on:
+            sampler = _Chain(None, biases)
+        else:
+            sampler = _Chain(self._chain(params, prompt, biases, None if deferred else grammar))
+        if deferred:
+            sampler.grammar = grammar
+            sampler.scan = TriggerScanner(params.grammar_triggers, params.grammar_trigger_words)
+        return sampler
+
+    def _chain(
+        self,
+        params: SamplingParams,
+        prompt: list[int],
+        biases: list[tuple[int, float]],
+        grammar: Any,
+    ) -> Any:
+        L = self._L
+        chain_params = L.llama_sampler_chain_default_params()
+        chain_params.no_perf = True
+        chain = L.llama_sampler_chain_init(chain_params)
+        if grammar is not None:
             L.llama_sampler_chain_add(chain, grammar)
         if biases:
-            arr = (L.llama_logit_bias * len(biases))()
-            for i, (token, bias) in enumerate(biases):
-                arr[i].token = token
-                arr[i].bias = bias
-            L.llama_sampler_chain_add(
-                chain, L.llama_sampler_init_logit_bias(self.n_vocab, len(biases), arr)
-            )
-        if penalties_on:
+            L.llama_sampler_chain_add(chain, self._bias_sampler(biases))
+        if params.uses_penalties and params.penalty_last_n != 0:
             # llama.cpp's convention: -1 is the whole context, 0 turns penalties off.
             last_n = self.n_ctx_seq if params.penalty_last_n < 0 else params.penalty_last_n
             last_n = min(last_n, self.n_ctx_seq)
@@ -597,7 +620,15 @@ class LlamaRunner:
             L.llama_sampler_chain_add(chain, L.llama_sampler_init_temp(params.temperature))
             seed = _DEFAULT_SEED if params.seed is None else params.seed & 0xFFFFFFFF
             L.llama_sampler_chain_add(chain, L.llama_sampler_init_dist(seed))
-        return _Chain(chain)
+        return chain
+
+    def _bias_sampler(self, biases: list[tuple[int, float]]) -> Any:
+        L = self._L
+        arr = (L.llama_logit_bias * len(biases))()
+        for i, (token, bias) in enumerate(biases):
+            arr[i].token = token
+            arr[i].bias = bias
+        return L.llama_sampler_init_logit_bias(self.n_vocab, len(biases), arr)
 
     def _grammar_sampler(self, params: SamplingParams) -> Any:
         L = self._L
@@ -605,18 +636,52 @@ class LlamaRunner:
         text = params.grammar.encode()
         if not params.grammar_triggers:
             return L.llama_sampler_init_grammar(self._vocab, text, b"root")
-        patterns = (ctypes.c_char_p * len(params.grammar_triggers))(
-            *[p.encode() for p in params.grammar_triggers]
-        )
+        # With trigger words the runner finds the match itself and feeds llama.cpp
+        # only the tail from the capture's first token (see _engage), where the
+        # first occurrence of a word is the capture: a pattern that says just that.
+        triggers = [
+            rf"[\s\S]*?({re.escape(w)})[\s\S]*" for w in params.grammar_trigger_words
+        ] or list(params.grammar_triggers)
+        patterns = (ctypes.c_char_p * len(triggers))(*[p.encode() for p in triggers])
         return L.llama_sampler_init_grammar_lazy_patterns(
-            self._vocab, text, b"root", patterns, len(params.grammar_triggers), None, 0
+            self._vocab, text, b"root", patterns, len(triggers), None, 0
         )
+
+    def _engage(self, sampler: _Chain, tail: list[int]) -> None:
+        """A trigger matched: put the lazy grammar at the head of the chain.
+
+        llama.cpp's lazy sampler gets the tokens from the one the match's capture
+        begins in (it finds the same match in them and accepts the capture on), and
+        the chain's other samplers move behind it with their state (penalty
+        history, random generator). A chainless greedy sampler gets its chain now.
+        """
+        L = self._L
+        grammar, sampler.grammar, sampler.scan, sampler.tokens = sampler.grammar, None, None, []
+        for token in tail:
+            L.llama_sampler_accept(grammar, token)
+        chain_params = L.llama_sampler_chain_default_params()
+        chain_params.no_perf = True
+        chain = L.llama_sampler_chain_init(chain_params)
+        L.llama_sampler_chain_add(chain, grammar)
+        old = sampler.ptr
+        if old is not None:
+            while L.llama_sampler_chain_n(old) > 0:
+                L.llama_sampler_chain_add(chain, L.llama_sampler_chain_remove(old, 0))
+            L.llama_sampler_free(old)
+        else:
+            if sampler.biases:
+                L.llama_sampler_chain_add(chain, self._bias_sampler(sampler.biases))
+            L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
+        sampler.ptr = chain
 
     def free_sampler(self, sampler: Any) -> None:
         assert isinstance(sampler, _Chain)
         if sampler.ptr:
             self._L.llama_sampler_free(sampler.ptr)
             sampler.ptr = None
+        if sampler.grammar:
+            self._L.llama_sampler_free(sampler.grammar)
+            sampler.grammar = None
 
     # -- engine thread only --------------------------------------------------
 
@@ -732,7 +797,17 @@ class LlamaRunner:
         if self._rows is not None:
             row = self._rows[row]
         if sampler.ptr is not None:
-            return int(self._L.llama_sampler_sample(sampler.ptr, self._ctx, row))
+            token = int(self._L.llama_sampler_sample(sampler.ptr, self._ctx, row))
+        else:
+            token = self._argmax(sampler, row)
+        if sampler.scan is not None:
+            sampler.tokens.append(token)
+            first = sampler.scan.feed(self.token_bytes(token, special=True))
+            if first is not None:
+                self._engage(sampler, sampler.tokens[first:])
+        return token
+
+    def _argmax(self, sampler: _Chain, row: int) -> int:
         logits = self._logits(row)
         best = int(logits.argmax())
         if sampler.bias is None or (sampler.lowers_only and best not in sampler.biased):

@@ -114,7 +114,10 @@ class CompletionService:
         if limit is None:
             limit = self.options.default_max_tokens
         sampling = replace(
-            self._sampling(body.sampling), grammar=plan.grammar, grammar_triggers=plan.triggers
+            self._sampling(body.sampling),
+            grammar=plan.grammar,
+            grammar_triggers=plan.triggers,
+            grammar_trigger_words=plan.trigger_words,
         )
         requests = [
             EngineRequest(

@@ -14,7 +14,8 @@ Example::
 
     plan = OutputPlan.build(request, fmt="generic", reasoning=None, limits=ToolLimits())
     messages = plan.prepare_messages(messages)
-    sampling = replace(sampling, grammar=plan.grammar, grammar_triggers=plan.triggers)
+    sampling = replace(sampling, grammar=plan.grammar, grammar_triggers=plan.triggers,
+                       grammar_trigger_words=plan.trigger_words)
 """
 
 from __future__ import annotations
@@ -49,9 +50,9 @@ FRAMINGS: dict[str, CallFraming] = {
 }
 # Where a lazily applied grammar engages (None: no lazy grammar for that family).
 TRIGGERS: dict[str, str | None] = {
-    "hermes": re.escape("<tool_call>"),
-    "generic": re.escape("<tool_call>"),
-    "mistral": re.escape("[TOOL_CALLS]"),
+    "hermes": "<tool_call>",
+    "generic": "<tool_call>",
+    "mistral": "[TOOL_CALLS]",
     "llama3": None,
 }
 MAX_PARALLEL_CALLS = 8
@@ -104,7 +105,7 @@ class OutputPlan:
     tools: list[dict[str, Any]] = field(default_factory=list)  # the functions offered
     tool_choice: str = "none"  # none | auto | required | function:<name>
     grammar: str | None = None
-    trigger_tag: str | None = None  # regex of the call opening that engages a lazy grammar
+    trigger_tag: str | None = None  # the call opening that engages a lazy grammar
     reasoning: ReasoningMarkers | None = None
     reasoning_opened: bool = False
     raw_tool_choice: str | dict[str, Any] | None = None
@@ -161,7 +162,12 @@ class OutputPlan:
                 lead = rf"[\s\S]*?{end}"
             else:
                 lead = rf"(?:\s*{start}[\s\S]*?{end}|(?!\s*{start}))"
-        return (rf"{lead}[\s\S]*?({self.trigger_tag})[\s\S]*",)
+        return (rf"{lead}[\s\S]*?({re.escape(self.trigger_tag)})[\s\S]*",)
+
+    @property
+    def trigger_words(self) -> tuple[str, ...]:
+        """The text each trigger's capture starts with (SamplingParams.grammar_trigger_words)."""
+        return () if self.trigger_tag is None else (self.trigger_tag,)
 
     @property
     def uses_tools(self) -> bool:
