@@ -134,6 +134,7 @@ def test_config_full_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
         chat_template = "templates/qwen.jinja"
         tool_format = "hermes"
         ttl = 600
+        sampling = { temperature = 0.7, top_k = 20, min_p = 0 }
 
         [[models]]
         name = "tiny"
@@ -158,6 +159,7 @@ def test_config_full_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
         chat_template=str(tmp_path / "templates/qwen.jinja"),
         tool_format="hermes",
         ttl=600.0,
+        sampling=(("temperature", 0.7), ("top_k", 20.0), ("min_p", 0.0)),
     )
     assert (tiny.source, tiny.ctx, tiny.aliases) == ("SmolLM2", None, ())  # a packaged name
     assert (home.source, home.ttl) == (str(tmp_path / "home/m/home.gguf"), 0.5)
@@ -187,6 +189,11 @@ def test_config_without_models(tmp_path: Path) -> None:
         ('name = "a"\nsource = "a.gguf"\nttl = "1h"', "models[0] ('a')", "ttl", "seconds"),
         ('name = "a"\nsource = 7', "models[0] ('a')", "source", "string"),
         ('name = "a"\nsource = "a.gguf"\nchat_template = []', "models[0] ('a')", "chat_template", "string"),
+        ('name = "a"\nsource = "a.gguf"\nsampling = 1', "models[0] ('a')", "sampling", "a table"),
+        ('name = "a"\nsource = "a.gguf"\nsampling = {temp = 1}', "models[0] ('a')", "sampling.temp", "top_k"),
+        ('name = "a"\nsource = "a.gguf"\nsampling = {top_k = 1.5}', "models[0] ('a')", "sampling.top_k", "an integer"),
+        ('name = "a"\nsource = "a.gguf"\nsampling = {top_p = "1"}', "models[0] ('a')", "sampling.top_p", "a number"),
+        ('name = "a"\nsource = "a.gguf"\nsampling = {min_p = 2}', "models[0] ('a')", "sampling.min_p", "[0.0, 1.0]"),
     ],
 )  # fmt: skip
 def test_config_entry_errors(

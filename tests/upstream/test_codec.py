@@ -715,3 +715,14 @@ def test_usage_only_from_the_usage_chunk_and_the_last_running_total_wins() -> No
     # An empty choices list without usage (a keep-alive) releases nothing.
     assert decoder.feed({"choices": []}) == []
     assert decoder.end() == [Finish(0, "stop", usage=Usage(0, 4, 2))]
+
+
+def test_an_explicit_sampling_value_is_sent_even_if_it_is_a_common_default() -> None:
+    # temperature 1 and top_k 0 are what the client asked for: an upstream whose own
+    # defaults differ (llama-server: 0.8 and 40) must be told.
+    wire = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
+    chat = ChatCompletionRequest.model_validate(
+        {"model": "c", "messages": [{"role": "user", "content": "Hi"}], **wire}
+    ).to_request()
+    body = upstream_body(chat, "u")[1]
+    assert {k: body.get(k) for k in wire} == wire

@@ -32,6 +32,8 @@ class ModelSpec:
     chat_template: str | None = None  # path to a Jinja file overriding the GGUF's template
     tool_format: str | None = None  # hermes | llama3 | mistral | generic
     ttl: float | None = None  # idle seconds before unloading; 0: never
+    # default sampling (temperature, top_k, top_p, min_p) over the GGUF's declared one
+    sampling: tuple[tuple[str, float], ...] = ()
 
     def lookup_keys(self) -> tuple[str, ...]:
         """Its name and aliases, lower-cased: what a request's ``model`` is matched against."""

@@ -19,21 +19,109 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+# A GGUF's recommended sampling (llama.cpp's general.sampling.* keys) -> the field.
+GGUF_SAMPLING_KEYS = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.min_p": "min_p",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerDefaults:
+    """What a request that leaves a sampling field out gets: the model's declared
+    defaults (its config entry, else its GGUF's ``general.sampling.*``), else
+    llama.cpp's own server's (which LM Studio and Ollama share but for Ollama's top-p
+    0.9): what keeps small local models coherent. An explicit value always wins.
+
+    Example::
+
+        SamplerDefaults().fill(SamplingParams(top_k=0))  # top_k stays 0: no top-k
+    """
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    source: str = "llama.cpp"  # where they come from: llama.cpp | gguf | config
+
+    def fill(self, s: SamplingParams) -> SamplingParams:
+        if None not in (s.temperature, s.top_k, s.top_p, s.min_p):
+            return s
+        return replace(
+            s,
+            temperature=self.temperature if s.temperature is None else s.temperature,
+            top_k=self.top_k if s.top_k is None else s.top_k,
+            top_p=self.top_p if s.top_p is None else s.top_p,
+            min_p=self.min_p if s.min_p is None else s.min_p,
+        )
+
+    def over(self, values: dict[str, float], source: str) -> SamplerDefaults:
+        """These defaults with ``values`` (field -> value) on top, if any."""
+        known = {k: v for k, v in values.items() if k in _DEFAULTED}
+        if not known:
+            return self
+        if "top_k" in known:
+            known["top_k"] = int(known["top_k"])
+        return replace(self, source=source, **known)  # type: ignore[arg-type]
+
+    @staticmethod
+    def from_gguf(read: Callable[[str], Any]) -> dict[str, float]:
+        """A GGUF's declared values (field -> value); ``read(key)`` gives a metadata
+        value or None. A value that is not a number is left out."""
+        out: dict[str, float] = {}
+        for key, name in GGUF_SAMPLING_KEYS.items():
+            value = read(key)
+            if value is None:
+                continue
+            try:
+                number = float(value)
+            except (TypeError, ValueError):
+                continue
+            if math.isfinite(number):
+                out[name] = number
+        return out
+
+    @classmethod
+    def declared(
+        cls, gguf: dict[str, float], config: tuple[tuple[str, float], ...] = ()
+    ) -> SamplerDefaults:
+        """A model's defaults: its config entry's values, else its GGUF's, else llama.cpp's."""
+        return cls().over(gguf, "gguf").over(dict(config), "config")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "temperature": self.temperature,
+            "top_k": self.top_k,
+            "top_p": self.top_p,
+            "min_p": self.min_p,
+            "source": self.source,
+        }
+
+
+_DEFAULTED = ("temperature", "top_k", "top_p", "min_p")
+LLAMA_CPP_SAMPLING = SamplerDefaults()
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Per-request sampler chain settings (llama.cpp semantics).
 
-    ``temperature <= 0`` means greedy. ``seed is None`` means random.
+    ``temperature <= 0`` means greedy. ``seed is None`` means random. The four
+    fields that may be ``None`` were left out by the client: the backend fills them
+    (a local model with its :class:`SamplerDefaults`; an upstream is not sent them).
     """
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     repeat_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

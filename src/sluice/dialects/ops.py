@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from sluice.core.model import ModelSpec
+from sluice.core.request import SamplerDefaults
 from sluice.local.model import LocalModel
 from sluice.models.files import ModelFile, read_all_model_files, reasoning_capability
 from sluice.models.registry import ModelStatus
@@ -70,6 +71,12 @@ def _local(
             "max_messages": settings.max_messages,
             "max_body_bytes": settings.max_body_bytes,
         },
+        # What a request that leaves a sampling field out gets.
+        "sampling_defaults": (
+            model.sampler
+            if isinstance(model, LocalModel)
+            else SamplerDefaults.declared(file.info.sampling if file else {}, spec.sampling)
+        ).as_dict(),
         "status": status.state,
         "metrics": state.metrics.slot(spec.name, "local").snapshot(),
     }

@@ -30,7 +30,7 @@ import numpy.typing as npt
 
 from sluice.core.errors import InvalidRequest, ModelLoadFailed
 from sluice.core.events import TokenLogprob, TopLogprob
-from sluice.core.request import SamplingParams
+from sluice.core.request import LLAMA_CPP_SAMPLING, SamplerDefaults, SamplingParams
 from sluice.engine.runner import BatchEntry, DecodeError, ModelInfo
 from sluice.engine.text import literal_regex
 from sluice.engine.trigger import TriggerScanner
@@ -442,7 +442,14 @@ class LlamaRunner:
             bos_token=self._special_text(L.llama_vocab_bos(self._vocab)),
             eos_token=self._special_text(L.llama_vocab_eos(self._vocab)),
             add_bos=bool(L.llama_vocab_get_add_bos(self._vocab)),
+            sampling=SamplerDefaults.from_gguf(self._meta),
         )
+
+    def _meta(self, key: str) -> str | None:
+        """The GGUF metadata value of ``key`` as text, or None."""
+        buf = ctypes.create_string_buffer(128)
+        n = self._L.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace") if n >= 0 else None
 
     def _special_text(self, token: int) -> str:
         if token < 0:
@@ -556,6 +563,7 @@ class LlamaRunner:
                 raise InvalidRequest(
                     f"logit_bias token id {token} is out of range", param="logit_bias"
                 )
+        params = LLAMA_CPP_SAMPLING.fill(params)  # fields left out: llama.cpp's defaults
         biases = list(params.logit_bias)
         if params.ignore_eos:
             biases += [(t, float("-inf")) for t in self._eog_tokens()]
@@ -569,7 +577,7 @@ class LlamaRunner:
                 )
         deferred = grammar is not None and bool(params.grammar_trigger_words)
         penalties_on = params.uses_penalties and params.penalty_last_n != 0
-        if params.temperature <= 0 and (grammar is None or deferred) and not penalties_on:
+        if (params.temperature or 0.0) <= 0 and (grammar is None or deferred) and not penalties_on:
             sampler = _Chain(None, biases)
         else:
             sampler = _Chain(self._chain(params, prompt, biases, None if deferred else grammar))
@@ -608,16 +616,19 @@ class LlamaRunner:
             for token in prompt[-last_n:]:
                 L.llama_sampler_accept(penalties, token)
             L.llama_sampler_chain_add(chain, penalties)
-        if params.temperature <= 0:
+        temperature, top_k = params.temperature or 0.0, params.top_k or 0
+        top_p = 1.0 if params.top_p is None else params.top_p
+        min_p = params.min_p or 0.0
+        if temperature <= 0:
             L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
         else:
-            if params.top_k > 0:
-                L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_k(params.top_k))
-            if params.top_p < 1.0:
-                L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_p(params.top_p, 1))
-            if params.min_p > 0.0:
-                L.llama_sampler_chain_add(chain, L.llama_sampler_init_min_p(params.min_p, 1))
-            L.llama_sampler_chain_add(chain, L.llama_sampler_init_temp(params.temperature))
+            if top_k > 0:
+                L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_k(top_k))
+            if top_p < 1.0:
+                L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_p(top_p, 1))
+            if min_p > 0.0:
+                L.llama_sampler_chain_add(chain, L.llama_sampler_init_min_p(min_p, 1))
+            L.llama_sampler_chain_add(chain, L.llama_sampler_init_temp(temperature))
             seed = _DEFAULT_SEED if params.seed is None else params.seed & 0xFFFFFFFF
             L.llama_sampler_chain_add(chain, L.llama_sampler_init_dist(seed))
         return chain

@@ -7,7 +7,7 @@ so every boundary case the tests script runs through the real loop.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from sluice.core.events import TokenLogprob
@@ -37,6 +37,8 @@ class ModelInfo:
     bos_token: str
     eos_token: str
     add_bos: bool
+    # the GGUF's recommended sampling (SamplerDefaults.from_gguf): field -> value
+    sampling: dict[str, float] = field(default_factory=dict)
 
 
 class DecodeError(Exception):

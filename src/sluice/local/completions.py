@@ -21,7 +21,12 @@ from dataclasses import dataclass, field, replace
 from sluice.core.backend import StreamMeta
 from sluice.core.errors import InvalidRequest
 from sluice.core.events import Event
-from sluice.core.request import GenerationRequest, SamplingParams
+from sluice.core.request import (
+    LLAMA_CPP_SAMPLING,
+    GenerationRequest,
+    SamplerDefaults,
+    SamplingParams,
+)
 from sluice.engine.engine import Engine
 from sluice.engine.types import EngineRequest
 from sluice.local.parsing import parse_stream
@@ -43,6 +48,7 @@ class ServiceOptions:
     # client writes the whole prompt there); chat message text never does.
     prompt_special_tokens: bool = True
     tool_limits: ToolLimits = field(default_factory=ToolLimits)
+    sampler: SamplerDefaults = LLAMA_CPP_SAMPLING  # for fields a request leaves out
 
 
 @dataclass(slots=True)
@@ -216,7 +222,7 @@ class CompletionService:
                     f"{self.runner.n_vocab} tokens)",
                     param="logit_bias",
                 )
-        return sampling
+        return self.options.sampler.fill(sampling)
 
     def _tokenize_prompt(self, text: str) -> list[int]:
         info = self.runner.info

@@ -29,7 +29,7 @@ from sluice.core.backend import LoadOptions, Progress, StreamMeta
 from sluice.core.errors import ModelUnloaded, SluiceError
 from sluice.core.events import Event
 from sluice.core.model import ModelSpec
-from sluice.core.request import GenerationRequest
+from sluice.core.request import LLAMA_CPP_SAMPLING, GenerationRequest, SamplerDefaults
 from sluice.engine.engine import Engine, EngineConfig, EngineStats
 from sluice.engine.runner import ModelRunner
 from sluice.local.completions import CompletionService, Generation, ServiceOptions
@@ -50,6 +50,7 @@ class ModelSettings:
     gpu_layers: int
     chat_template: str | None
     tool_format: str | None
+    sampling: tuple[tuple[str, float], ...] = ()  # the config entry's default sampling
 
     @classmethod
     def of(cls, spec: ModelSpec, options: LoadOptions, settings: Settings) -> ModelSettings:
@@ -64,6 +65,7 @@ class ModelSettings:
             gpu_layers=pick(spec.gpu_layers, settings.gpu_layers),
             chat_template=spec.chat_template or settings.chat_template,
             tool_format=spec.tool_format or settings.tool_format,
+            sampling=spec.sampling,
         )
 
 
@@ -85,8 +87,11 @@ class LocalStream:
             await aclose()
 
 
-def service_options(settings: Settings, tool_format: str | None) -> ServiceOptions:
+def service_options(
+    settings: Settings, tool_format: str | None, sampler: SamplerDefaults = LLAMA_CPP_SAMPLING
+) -> ServiceOptions:
     return ServiceOptions(
+        sampler=sampler,
         default_max_tokens=settings.default_max_tokens,
         tool_format=tool_format,
         prompt_special_tokens=settings.prompt_special_tokens,
@@ -132,8 +137,12 @@ class LocalModel:
             info.chat_template, bos_token=info.bos_token, eos_token=info.eos_token, model_id=name
         )
         tool_format = model_settings.tool_format if model_settings else settings.tool_format
+        # A field a request leaves out: the config entry's, else the GGUF's, else llama.cpp's.
+        self.sampler = SamplerDefaults.declared(
+            info.sampling, model_settings.sampling if model_settings else ()
+        )
         self.service = CompletionService(
-            name, self.engine, template, service_options(settings, tool_format)
+            name, self.engine, template, service_options(settings, tool_format, self.sampler)
         )
         # Work on worker threads that uses the runner (templates, tokenization,
         # sampler set-up): close() waits for it before freeing the model.

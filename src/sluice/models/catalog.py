@@ -182,7 +182,7 @@ def _unique_names(root: Path, files: list[Path]) -> list[str]:
 
 _INT_KEYS = {"ctx": 1, "parallel": 1, "threads": 0, "gpu_layers": -1}  # key: smallest value
 _ENTRY_KEYS = frozenset(
-    {"name", "source", "aliases", "chat_template", "tool_format", "ttl", *_INT_KEYS}
+    {"name", "source", "aliases", "chat_template", "tool_format", "ttl", "sampling", *_INT_KEYS}
 )
 
 
@@ -279,7 +279,38 @@ def _entry(file: Path, index: int, table: dict[str, Any]) -> ModelSpec:
         chat_template=None if template is None else e.path(template),
         tool_format=_tool_format(e),
         ttl=_ttl(e),
+        sampling=_sampling(e),
     )
+
+
+# [[models]] sampling = { ... }: key -> (smallest, largest) value
+_SAMPLING_BOUNDS = {
+    "temperature": (0.0, 2.0),
+    "top_k": (0, 2**31 - 1),
+    "top_p": (0.0, 1.0),
+    "min_p": (0.0, 1.0),
+}
+
+
+def _sampling(e: _Entry) -> tuple[tuple[str, float], ...]:
+    value = e.table.get("sampling", {})
+    if not isinstance(value, dict):
+        raise e.error("sampling", f"must be a table, not {describe_value(value)}")
+    out = []
+    for key, v in value.items():
+        bounds = _SAMPLING_BOUNDS.get(key)
+        if bounds is None:
+            raise e.error(
+                f"sampling.{key}", f"is not a known key (known: {', '.join(_SAMPLING_BOUNDS)})"
+            )
+        integer = key == "top_k"
+        if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)):
+            kind = "an integer" if integer else "a number"
+            raise e.error(f"sampling.{key}", f"must be {kind}, not {describe_value(v)}")
+        if not bounds[0] <= v <= bounds[1]:
+            raise e.error(f"sampling.{key}", f"must be in [{bounds[0]}, {bounds[1]}], not {v}")
+        out.append((key, float(v)))
+    return tuple(out)
 
 
 def _aliases(e: _Entry) -> tuple[str, ...]:

@@ -33,6 +33,8 @@ from pathlib import Path
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 
+from sluice.core.request import SamplerDefaults
+
 _MAGIC = b"GGUF"
 _STRING, _ARRAY = 8, 9
 # GGUF value type -> struct format (GGUFValueType's numbering).
@@ -88,6 +90,7 @@ class GgufInfo:
     sliding_window: int | None
     chat_template: str | None
     supports_tools: bool  # the chat template mentions ``tools``
+    sampling: dict[str, float]  # its recommended sampling (general.sampling.*): field -> value
     layer_bytes: tuple[int, ...]  # tensor bytes of each repeating block (blk.N.*)
     block_type_bytes: tuple[tuple[str, int], ...]  # blk.* tensor bytes by type: ("Q4_K", n)
 
@@ -323,6 +326,7 @@ def _interpret(
         sliding_window=_int(md, f"{arch}.attention.sliding_window", 0) or None,
         chat_template=template,
         supports_tools=any("tools" in t for t in _templates(md)),
+        sampling=SamplerDefaults.from_gguf(md.get),
         layer_bytes=_layer_bytes(tensors, blocks),
         block_type_bytes=_block_type_bytes(tensors),
     )

@@ -131,9 +131,10 @@ def _wire_call(call: dict[str, Any]) -> dict[str, Any]:
 def _sampling(request: GenerationRequest) -> dict[str, Any]:
     s = request.sampling
     out: dict[str, Any] = {}
-    if s.temperature != 1.0:
+    # Fields the client left out (None) are not sent: the upstream's own defaults apply.
+    if s.temperature is not None:
         out["temperature"] = s.temperature
-    if s.top_p != 1.0:
+    if s.top_p is not None:
         out["top_p"] = s.top_p
     if s.presence_penalty != 0.0:
         out["presence_penalty"] = s.presence_penalty
@@ -144,9 +145,9 @@ def _sampling(request: GenerationRequest) -> dict[str, Any]:
     if s.logit_bias:
         out["logit_bias"] = {str(token): bias for token, bias in s.logit_bias}
     # llama.cpp / vLLM / SGLang extensions, only when asked for (strict servers reject them).
-    if s.top_k != 0:
+    if s.top_k is not None:
         out["top_k"] = s.top_k
-    if s.min_p != 0.0:
+    if s.min_p is not None:
         out["min_p"] = s.min_p
     if s.repeat_penalty != 1.0:
         # Both spellings: llama-server reads repeat_penalty, vLLM and SGLang

@@ -223,9 +223,9 @@ class MessagesRequest(_Fields):
     def to_request(self) -> GenerationRequest:
         """The neutral request; :class:`InvalidRequest` naming what is wrong."""
         sampling = SamplingParams(
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=min(self.top_k or 0, _INT32_MAX),
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=None if self.top_k is None else min(self.top_k, _INT32_MAX),
             ignore_eos=self.ignore_eos,
         )
         return self.prompt_request(

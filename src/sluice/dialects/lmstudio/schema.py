@@ -196,11 +196,11 @@ class ChatRequest(_Wire):
     def sampling_params(self) -> SamplingParams:
         """This request's sampler settings (omitted: the same defaults as OpenAI's routes)."""
         return SamplingParams(
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
+            temperature=self.temperature,
+            top_p=self.top_p,
             # llama.cpp takes int32: a top_k past the vocabulary is the same as none.
-            top_k=min(self.top_k or 0, _INT32_MAX),
-            min_p=self.min_p or 0.0,
+            top_k=None if self.top_k is None else min(self.top_k, _INT32_MAX),
+            min_p=self.min_p,
             repeat_penalty=self.repeat_penalty or 1.0,
         )
 

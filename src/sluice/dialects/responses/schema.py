@@ -225,8 +225,8 @@ class ResponsesRequest(_Wire):
             raise InvalidRequest("'input' is empty", param="input")
         tools = self.neutral_tools()
         sampling = SamplingParams(
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
+            temperature=self.temperature,
+            top_p=self.top_p,
             ignore_eos=self.ignore_eos,
         )
         return GenerationRequest(
