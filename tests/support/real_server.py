@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -86,3 +87,18 @@ def chat_text(chunks: list[dict[str, Any]], index: int = 0) -> str:
         for c in chunks
         if c["choices"] and c["choices"][0]["index"] == index
     )
+
+
+def outcome_counts(base: str, headers: dict[str, str], key: str = "default") -> dict[str, float]:
+    """What /metrics says now, in one request (which the key's count includes):
+    requests by the key, and generations (any model) by outcome."""
+    text = httpx.get(f"{base}/metrics", headers=headers, timeout=10).text
+
+    def total(pattern: str) -> float:
+        return sum(float(v) for v in re.findall(rf"^{pattern} (\S+)$", text, re.MULTILINE))
+
+    return {
+        "keyed": total(rf'sluice_requests_by_key_total\{{key="{key}"\}}'),
+        "ok": total(r'sluice_requests_total\{outcome="ok",[^}]*\}'),
+        "error": total(r'sluice_requests_total\{outcome="error",[^}]*\}'),
+    }

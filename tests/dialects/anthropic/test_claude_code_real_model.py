@@ -26,11 +26,8 @@ answer ends in a few tokens.
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 import re
-import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,7 +36,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.real_server import QUIET, wait_idle
+from tests.support.npm import npm_tool
+from tests.support.real_server import QUIET, outcome_counts, wait_idle
 from tests.support.servers import serve_process
 
 pytestmark = pytest.mark.integration
@@ -50,63 +48,10 @@ MODEL = "smollm2"
 TIMEOUT = 300  # seconds per `claude` run: generous for a loaded 2-core machine
 
 
-def _npm_prefix() -> Path:
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "sluice-npm" / "claude-code"
-
-
-def _installed_version(prefix: Path) -> str | None:
-    manifest = prefix / "node_modules" / "@anthropic-ai" / "claude-code" / "package.json"
-    try:
-        return str(json.loads(manifest.read_text())["version"])
-    except (OSError, ValueError, KeyError):
-        return None
-
-
 @pytest.fixture(scope="module")
 def claude() -> str:
     """The ``claude`` executable, installed with npm once per machine."""
-    npm = shutil.which("npm")
-    if npm is None:
-        pytest.skip("npm is not installed: cannot install @anthropic-ai/claude-code")
-    prefix = _npm_prefix()
-    prefix.mkdir(parents=True, exist_ok=True)
-    entry = prefix / "node_modules" / ".bin" / "claude"
-    # One install at a time (parallel test runs share the folder).
-    with open(prefix.parent / "claude-code.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if _installed_version(prefix) != CLAUDE_CODE_VERSION or not entry.exists():
-            cmd = [
-                npm,
-                "install",
-                "--prefix",
-                str(prefix),
-                "--save-exact",
-                "--no-audit",
-                "--no-fund",
-                "--loglevel=error",
-                f"@anthropic-ai/claude-code@{CLAUDE_CODE_VERSION}",
-            ]
-            try:
-                done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=900)
-            except subprocess.TimeoutExpired:
-                pytest.skip("npm install @anthropic-ai/claude-code timed out (no registry?)")
-            if done.returncode != 0 or not entry.exists():
-                pytest.skip(
-                    f"npm install @anthropic-ai/claude-code failed ({done.returncode}): "
-                    f"{(done.stderr or done.stdout)[-1500:]}"
-                )
-    # The package's binary comes from a per-platform optional dependency.
-    try:
-        version = subprocess.run(
-            [str(entry), "--version"], check=False, capture_output=True, text=True, timeout=60
-        )
-    except (OSError, subprocess.TimeoutExpired) as e:
-        pytest.skip(f"the installed claude does not run: {e}")
-    if version.returncode != 0:
-        pytest.skip(f"the installed claude does not run: {version.stdout}{version.stderr}")
-    assert version.stdout.startswith(CLAUDE_CODE_VERSION), version.stdout
-    return str(entry)
+    return npm_tool("@anthropic-ai/claude-code", CLAUDE_CODE_VERSION, "claude", "claude-code")
 
 
 @pytest.fixture(scope="module")
@@ -122,18 +67,7 @@ def _auth() -> dict[str, str]:
 
 
 def _metrics(base: str) -> dict[str, float]:
-    """What /metrics says now, in one request (which counts as one for the key):
-    requests by the key, and generations (any model) by outcome."""
-    text = httpx.get(f"{base}/metrics", headers=_auth(), timeout=10).text
-
-    def total(pattern: str) -> float:
-        return sum(float(v) for v in re.findall(rf"^{pattern} (\S+)$", text, re.MULTILINE))
-
-    return {
-        "keyed": total(r'sluice_requests_by_key_total\{key="default"\}'),
-        "ok": total(r'sluice_requests_total\{outcome="ok",[^}]*\}'),
-        "error": total(r'sluice_requests_total\{outcome="error",[^}]*\}'),
-    }
+    return outcome_counts(base, _auth())
 
 
 def _run_claude(
