@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import socket
 import threading
+import time
 
 
 class Relay:
@@ -59,6 +60,15 @@ class Relay:
         for data in streams:
             out.extend(_responses(data))
         return out
+
+    def sent(self, body: bytes, within: float = 5.0) -> bool:
+        """Whether the target sent exactly ``body`` (waiting ``within`` seconds for it)."""
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            if body in self.bodies():
+                return True
+            time.sleep(0.05)
+        return False
 
     def close(self) -> None:
         self.server.close()

@@ -63,9 +63,15 @@ def serve_process_handle(
     cmd = [sys.executable, "-m", "sluice", "serve", "--port", str(port), *args]
     # Output goes to a file, not a pipe nobody drains (a full pipe would block the server).
     log_file = tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below
-    # An empty models folder unless the test gives one: the user's own models stay out.
+    # An empty models folder and a store of its own unless the test gives them: the
+    # user's own models and conversations stay out, and two servers share nothing.
     empty = tempfile.TemporaryDirectory()  # cleaned up in the finally below
-    full_env = {**os.environ, "SLUICE_MODELS_DIR": empty.name, **(env or {})}
+    full_env = {
+        **os.environ,
+        "SLUICE_MODELS_DIR": empty.name,
+        "SLUICE_STORE": os.path.join(empty.name, "store.db"),
+        **(env or {}),
+    }
     proc = subprocess.Popen(cmd, env=full_env, stdout=log_file, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120

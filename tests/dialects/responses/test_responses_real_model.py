@@ -1,6 +1,8 @@
 """OpenAI's Responses API on the real SmolLM2 through the official ``openai`` SDK, on the
-local model and on an upstream model (a second sluice in front of the first, slot
-``up``, translated from OpenAI chat)."""
+local model and on upstream models: a second sluice in front of the first, through a
+recording relay, with slot ``up`` (translated from OpenAI chat) and slot ``native``
+(``native_apis = ["responses"]``: the body goes up as written and the bytes come back
+unchanged; the upstream stores the responses)."""
 
 from __future__ import annotations
 
@@ -8,10 +10,12 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from openai import OpenAI
 
 from tests.support.real_server import QUIET, wait_idle
+from tests.support.relay import Relay
 from tests.support.servers import serve_process
 
 pytestmark = pytest.mark.integration
@@ -30,12 +34,21 @@ BACKENDS = ["smollm2", "up-smollm2"]
 
 
 @pytest.fixture(scope="module")
-def gateway(base: str) -> Iterator[str]:
+def relay(base: str) -> Iterator[Relay]:
+    r = Relay(base)
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="module")
+def gateway(relay: Relay) -> Iterator[str]:
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "sluice.toml"
         config.write_text(
-            f'[[upstreams]]\nname = "up"\nurl = "{base}"\nmodels = ["smollm2"]\n'
+            f'[[upstreams]]\nname = "up"\nurl = "{relay.url}"\nmodels = ["smollm2"]\n'
             'aliases = { "up-smollm2" = "smollm2" }\n'
+            f'[[upstreams]]\nname = "native"\nurl = "{relay.url}"\nmodels = ["smollm2"]\n'
+            'aliases = { "native-smollm2" = "smollm2" }\nnative_apis = ["responses"]\n'
         )
         with serve_process("--config", str(config), *QUIET) as url:
             yield url
@@ -110,3 +123,38 @@ def test_background_and_resume(base: str) -> None:
         assert events[0].sequence_number == 2
         assert events[-1].type in ("response.completed", "response.incomplete")
         assert c.responses.retrieve(started.id).status == events[-1].response.status  # type: ignore[union-attr]
+
+
+def test_native_responses_pass_through_byte_for_byte(base: str, gateway: str, relay: Relay) -> None:
+    wait_idle(base, within=10)
+    data = {"model": "native-smollm2", "input": "Name a color.", "max_output_tokens": 12}
+    for stream in (False, True):
+        r = httpx.post(f"{gateway}/v1/responses", json=data | {"stream": stream}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-sluice-slot"] == f"native; replica={relay.url}"
+        assert relay.sent(r.content), "the gateway's body is not what the upstream sent"
+    with OpenAI(base_url=f"{gateway}/v1", api_key="x", max_retries=0, timeout=120) as c:
+        # The SDK's stream and final response, and a continuation: the upstream
+        # stored the first response and takes previous_response_id as it came.
+        with c.responses.stream(
+            model="native-smollm2",
+            input="Name three colors.",
+            instructions="Be brief.",
+            max_output_tokens=200,
+            temperature=0,
+        ) as s:
+            deltas = [e.delta for e in s if e.type == "response.output_text.delta"]
+            final = s.get_final_response()
+        assert deltas and "".join(deltas) == final.output_text
+        follow = c.responses.create(
+            model="native-smollm2",
+            input="And one more?",
+            previous_response_id=final.id,
+            max_output_tokens=8,
+        )
+        assert follow.usage is not None and final.usage is not None
+        assert follow.usage.input_tokens > final.usage.input_tokens
+    # Stored on the upstream, not on the gateway.
+    with OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=60) as up:
+        assert up.responses.retrieve(final.id).output_text == final.output_text
+    assert httpx.get(f"{gateway}/v1/responses/{final.id}", timeout=10).status_code == 404
