@@ -225,13 +225,18 @@ def test_seed_reproduces_and_different_seeds_differ(srv: httpx.Client, kind: str
 def test_truncation_to_one_token_is_greedy(srv: httpx.Client, kind: str) -> None:
     """At temperature 1.5, top_k 1, top_p 1e-6 and min_p 1 keep only the top token: greedy."""
     g = greedy(srv, kind, PLAIN[kind])
-    hot = request_body(kind, PLAIN[kind], max_tokens=6, temperature=1.5, seed=5)
+    bounds = [("top_k", 1, 0), ("top_p", 1e-6, 1.0), ("min_p", 1.0, 0.0)]
+    # Every truncation explicitly off (left out, each would take the model's default).
+    off = {field: wide for field, _narrow, wide in bounds}
+    hot = request_body(kind, PLAIN[kind], max_tokens=6, temperature=1.5, seed=5, **off)
     free = complete(srv, kind, hot)
     assert free.text != g.text, "precondition: this seed at 1.5 does not sample greedy"
-    for field, narrow, wide in [("top_k", 1, 0), ("top_p", 1e-6, 1.0), ("min_p", 1.0, 0.0)]:
+    for field, narrow, _wide in bounds:
         assert both(srv, kind, {**hot, field: narrow}).text == g.text, field
-        # the field's other bound turns it off: the same sample as without it
-        assert complete(srv, kind, {**hot, field: wide}) == free, field
+    # Left out, the fields take the defaults (top-k 40, top-p 0.95, min-p 0.05): not
+    # the sample over the whole vocabulary.
+    defaulted = {k: v for k, v in hot.items() if k not in off}
+    assert complete(srv, kind, defaulted) != free
 
 
 # -- penalties --------------------------------------------------------------------------
