@@ -33,6 +33,7 @@ from sluice.dialects.gateway import routes as gateway
 from sluice.dialects.lmstudio import chat as lmstudio_chat
 from sluice.dialects.lmstudio import routes as lmstudio
 from sluice.dialects.openai import routes as openai
+from sluice.dialects.responses import format as responses_format
 from sluice.dialects.responses import routes as responses
 from sluice.engine.runner import ModelRunner
 from sluice.local.model import LocalModel
@@ -47,6 +48,7 @@ log = logging.getLogger("sluice.api")
 # unknown route or method): a client gets errors in the dialect it speaks.
 _ERROR_SHAPES: tuple[tuple[str, Callable[[SluiceError], Response]], ...] = (
     ("/v1/messages", anthropic_format.error_response),
+    ("/v1/responses", responses_format.error_response),
 )
 
 

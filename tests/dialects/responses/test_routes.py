@@ -174,6 +174,7 @@ def test_a_prompt_over_the_context_is_a_400_before_the_stream() -> None:
         r = create(base, input="x" * 200, stream=True)
     assert r.status_code == 400
     assert r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.json()["error"]["param"] == "input"  # this dialect's name for the prompt
 
 
 def test_tools_a_local_server_cannot_run_are_accepted() -> None:

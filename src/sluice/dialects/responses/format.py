@@ -40,6 +40,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from starlette.responses import Response
+
 from sluice.core.errors import ContextOverflow, SluiceError, as_sluice_error, spec_for
 from sluice.core.events import (
     Event,
@@ -52,6 +54,7 @@ from sluice.core.events import (
     ToolCallStart,
 )
 from sluice.core.frames import Frame
+from sluice.server.sse import error_response as openai_error_response
 
 RESPONSE_PREFIX = "resp_"
 
@@ -131,6 +134,18 @@ def error_object(error: SluiceError) -> dict[str, Any]:
     if isinstance(error, ContextOverflow):
         code = "context_length_exceeded"
     return {"code": code, "message": error.message}
+
+
+# The neutral request's field names that this dialect spells otherwise.
+_WIRE_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens"}
+
+
+def error_response(error: SluiceError) -> Response:
+    """A pre-stream error: OpenAI's body, with the field named as this dialect names it
+    (a context overflow is about ``input``, not ``messages``)."""
+    if error.param in _WIRE_PARAMS:
+        error.param = _WIRE_PARAMS[error.param]
+    return openai_error_response(error)
 
 
 class ResponsesFormatter:

@@ -52,6 +52,7 @@ from sluice.dialects.responses.format import (
     RESPONSE_PREFIX,
     ResponseFields,
     ResponsesFormatter,
+    error_response,
     new_id,
 )
 from sluice.dialects.responses.schema import ResponsesRequest, parse
@@ -66,7 +67,6 @@ from sluice.server.sse import (
     SSEResponse,
     encode,
     error_frame,
-    error_response,
     json_response,
     sse_stream,
 )
