@@ -82,6 +82,7 @@ class ModelStatus:
     estimate_bytes: int | None  # known once the model was sized (loaded, or a load tried)
     load_config: dict[str, Any] | None
     loads: int = 0  # loads completed since the server started
+    ttl: float | None = None  # a loaded model's idle TTL in seconds (0: never unloads)
 
 
 @dataclass(frozen=True, slots=True)
@@ -626,6 +627,7 @@ class ModelRegistry:
             ),
             load_config=instance.model.load_config() if instance is not None else None,
             loads=entry.loads if entry is not None else 0,
+            ttl=self._ttl_of(instance) if instance is not None else None,
         )
 
     def get_loaded(self, name: str) -> LoadedModel | None:

@@ -32,6 +32,8 @@ from sluice.dialects.anthropic import routes as anthropic
 from sluice.dialects.gateway import routes as gateway
 from sluice.dialects.lmstudio import chat as lmstudio_chat
 from sluice.dialects.lmstudio import routes as lmstudio
+from sluice.dialects.ollama import format as ollama_format
+from sluice.dialects.ollama import routes as ollama
 from sluice.dialects.openai import routes as openai
 from sluice.dialects.responses import format as responses_format
 from sluice.dialects.responses import routes as responses
@@ -44,11 +46,15 @@ from sluice.store import SQLiteStore
 
 log = logging.getLogger("sluice.api")
 
+# Ollama's paths (beside LM Studio's /api/v1/...): their errors are {"error": "..."}.
+OLLAMA_PATHS = ("/api/chat", "/api/generate", "/api/tags", "/api/show", "/api/version", "/api/ps")
+
 # Error shapes by path prefix, for what answers before a route does (the keys, an
 # unknown route or method): a client gets errors in the dialect it speaks.
 _ERROR_SHAPES: tuple[tuple[str, Callable[[SluiceError], Response]], ...] = (
     ("/v1/messages", anthropic_format.error_response),
     ("/v1/responses", responses_format.error_response),
+    *((path, ollama_format.error_response) for path in OLLAMA_PATHS),
 )
 
 
@@ -174,6 +180,12 @@ def create_app(
             Route("/metrics", ops.metrics, methods=["GET"]),
             Route("/health", ops.health, methods=["GET"]),
             Route("/api/v1/chat", lmstudio_chat.chat, methods=["POST"]),
+            Route("/api/chat", ollama.chat, methods=["POST"]),
+            Route("/api/generate", ollama.generate, methods=["POST"]),
+            Route("/api/tags", ollama.tags, methods=["GET"]),
+            Route("/api/show", ollama.show, methods=["POST"]),
+            Route("/api/version", ollama.version, methods=["GET"]),
+            Route("/api/ps", ollama.ps, methods=["GET"]),
             *lmstudio.ROUTES,
         ],
         lifespan=lifespan,

@@ -31,6 +31,7 @@ from sluice.config import Settings
 from sluice.core.errors import InternalError, SluiceError
 from sluice.server.sse import (
     PING,
+    SSE_HEADERS,
     SSEResponse,
     error_frame,
     error_response,
@@ -89,8 +90,9 @@ async def respond(
     headers: Callable[[], Mapping[str, str]] = _no_headers,
     render_error: Callable[[SluiceError], Response] = error_response,
     error_headers: Mapping[str, str] | None = None,
-    ping: bytes = PING,
+    ping: bytes | None = PING,
     failure_frame: Callable[[BaseException], bytes] = error_frame,
+    content_type: str = "text/event-stream",
 ) -> Response:
     """``frames()`` as an SSE response when ``stream``, else ``fold()``'s JSON body.
 
@@ -100,17 +102,22 @@ async def respond(
     ``render_error`` (the dialect's error shape) and ``error_headers``; a client
     that went away during the fold gets a bare 499 nobody reads. ``headers`` is
     asked once the answer is known (the slot that served it, say). ``ping`` is the
-    stream's keep-alive and ``failure_frame`` the frame for a failure no formatter saw,
-    both in the dialect's shape.
+    stream's keep-alive (None: a stream format without one, like NDJSON) and
+    ``failure_frame`` the frame for a failure no formatter saw, both in the dialect's
+    shape; ``content_type`` the stream's (Ollama's is ``application/x-ndjson``).
     """
     if stream:
         return SSEResponse(  # type: ignore[return-value]
             frames(),
             on_close=close,
-            ping_interval=settings.ping_interval,
+            ping_interval=settings.ping_interval if ping is not None else 0.0,
             stall_timeout=settings.stall_timeout,
             headers=dict(headers()),
-            ping=ping,
+            base_headers=[
+                (b"content-type", content_type.encode()),
+                *(h for h in SSE_HEADERS if h[0] != b"content-type"),
+            ],
+            ping=ping or b"",
             failure_frame=failure_frame,
         )
     try:
