@@ -79,6 +79,7 @@ class ScriptedRunner:
     max_piece_bytes: int = 64
     min_prefill_chunk: int = 1
     state_bytes_per_token: int = 4  # size of a saved state, like a real KV's (>= 4)
+    embedders: int = 0  # embedding contexts made (new_embedder)
 
     def __post_init__(self) -> None:
         self.info = ModelInfo(
@@ -213,6 +214,10 @@ class ScriptedRunner:
         )
         return TokenLogprob(text, token, -0.5, tuple(piece), top)
 
+    def new_embedder(self, n_ctx: int) -> FakeEmbedder:
+        self.embedders += 1
+        return FakeEmbedder(n_ctx=min(n_ctx, self.n_ctx_seq))
+
     def close(self) -> None:
         self.closed = True
 
@@ -220,3 +225,28 @@ class ScriptedRunner:
 
     def seqs_per_decode(self) -> list[int]:
         return [len({e.seq for e in entries}) for entries in self.decodes]
+
+
+@dataclass
+class FakeEmbedder:
+    """Deterministic unit vectors from the token ids (a token's count per bucket)."""
+
+    n_ctx: int
+    n_embd: int = 8
+    pooling: str = "mean"
+    batches: list[int] = field(default_factory=list)  # inputs per embed() call
+
+    def embed(self, inputs: Any) -> list[list[float]]:
+        self.batches.append(len(inputs))
+        out = []
+        for tokens in inputs:
+            assert 0 < len(tokens) <= self.n_ctx, len(tokens)
+            v = [0.0] * self.n_embd
+            for t in tokens:
+                v[t % self.n_embd] += 1.0
+            norm = sum(x * x for x in v) ** 0.5
+            out.append([x / norm for x in v])
+        return out
+
+    def close(self) -> None:
+        pass

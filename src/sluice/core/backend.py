@@ -57,10 +57,26 @@ class Backend(Protocol):
         byte is raised here as a :class:`~sluice.core.errors.SluiceError`."""
         ...
 
+    async def embed(
+        self, inputs: list[str] | list[list[int]], *, truncate: bool, dimensions: int | None
+    ) -> Embeddings:
+        """Embed texts (or token ids): :class:`Embeddings`, in order. An input over the
+        model's window is cut to it with ``truncate``, else a 400; ``dimensions``
+        keeps the first that many and normalizes again (Matryoshka-style)."""
+        ...
+
     async def count_prompt_tokens(self, request: GenerationRequest) -> int:
         """The tokens ``request``'s prompt takes on this model (chat template and
         tools included), without generating: Anthropic's ``count_tokens``."""
         ...
+
+
+@dataclass(frozen=True, slots=True)
+class Embeddings:
+    """One vector per input (L2-normalized), and the tokens they took."""
+
+    vectors: list[list[float]]
+    prompt_tokens: int
 
 
 Progress = Callable[[float], None]  # a load's progress, 0.0 to 1.0

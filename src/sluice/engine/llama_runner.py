@@ -1,6 +1,6 @@
 """The real model runner: llama.cpp through llama-cpp-python's low-level API.
 
-This is the only module that touches the bindings. One context holds
+This module and ``llama_embed`` are the only ones that touch the bindings. One context holds
 ``n_parallel`` sequences, each with its own KV stream of ``n_ctx`` tokens
 (``kv_unified=False``: a sequence attends only to its own cells, which is
 measurably faster for a batch of unrelated sequences than one shared buffer).
@@ -442,10 +442,25 @@ class LlamaRunner:
             bos_token=self._special_text(L.llama_vocab_bos(self._vocab)),
             eos_token=self._special_text(L.llama_vocab_eos(self._vocab)),
             add_bos=bool(L.llama_vocab_get_add_bos(self._vocab)),
-            sampling=SamplerDefaults.from_gguf(self._meta),
+            sampling=SamplerDefaults.from_gguf(self.meta),
         )
 
-    def _meta(self, key: str) -> str | None:
+    @property
+    def model(self) -> Any:
+        """llama.cpp's model handle (for a second context on the same weights)."""
+        return self._model
+
+    @property
+    def architecture(self) -> str:
+        return self.meta("general.architecture") or ""
+
+    def new_embedder(self, n_ctx: int) -> Any:
+        from sluice.engine.llama_embed import LlamaEmbedder
+
+        threads = self.config.n_threads or os.cpu_count() or 1
+        return LlamaEmbedder.create(self, n_ctx, threads)
+
+    def meta(self, key: str) -> str | None:
         """The GGUF metadata value of ``key`` as text, or None."""
         buf = ctypes.create_string_buffer(128)
         n = self._L.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))

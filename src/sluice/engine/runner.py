@@ -7,6 +7,7 @@ so every boundary case the tests script runs through the real loop.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -47,6 +48,20 @@ class DecodeError(Exception):
 
 class Sampler(Protocol):
     """An opaque, per-request sampler chain."""
+
+
+class Embedder(Protocol):
+    """A model's pooled embedding context (worker threads; one batch at a time)."""
+
+    n_ctx: int  # tokens one input may have
+    n_embd: int  # the vectors' dimension
+    pooling: str  # mean | cls | last | ...
+
+    def embed(self, inputs: Sequence[list[int]]) -> list[list[float]]:
+        """One L2-normalized vector per input (token ids)."""
+        ...
+
+    def close(self) -> None: ...
 
 
 class ModelRunner(Protocol):
@@ -121,5 +136,9 @@ class ModelRunner(Protocol):
         ...
 
     def logprobs(self, row: int, token: int, top_n: int) -> TokenLogprob: ...
+
+    def new_embedder(self, n_ctx: int) -> Embedder:
+        """An embedding context on this model (blocking; any thread but the engine's)."""
+        ...
 
     def close(self) -> None: ...

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import math
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -25,18 +27,20 @@ from pathlib import Path
 from typing import Any
 
 from sluice.config import Settings
-from sluice.core.backend import LoadOptions, Progress, StreamMeta
-from sluice.core.errors import ModelUnloaded, SluiceError
+from sluice.core.backend import Embeddings, LoadOptions, Progress, StreamMeta
+from sluice.core.errors import InvalidRequest, ModelUnloaded, SluiceError
 from sluice.core.events import Event
 from sluice.core.model import ModelSpec
 from sluice.core.request import LLAMA_CPP_SAMPLING, GenerationRequest, SamplerDefaults
 from sluice.engine.engine import Engine, EngineConfig, EngineStats
-from sluice.engine.runner import ModelRunner
+from sluice.engine.runner import Embedder, ModelRunner
 from sluice.local.completions import CompletionService, Generation, ServiceOptions
 from sluice.local.offload import Offload
 from sluice.local.plan import ToolLimits
 from sluice.local.stream import EventStream
 from sluice.local.templates import ChatTemplate
+
+log = logging.getLogger("sluice.models")
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +71,19 @@ class ModelSettings:
             tool_format=spec.tool_format or settings.tool_format,
             sampling=spec.sampling,
         )
+
+
+# Tokens an embedding input may have (the pooled context's size, within the model's).
+EMBED_CTX = 4096
+
+
+def shorten(vector: list[float], dimensions: int | None) -> list[float]:
+    """The first ``dimensions`` values, normalized again (Matryoshka-style)."""
+    if dimensions is None or dimensions >= len(vector):
+        return vector
+    head = vector[:dimensions]
+    norm = math.sqrt(sum(x * x for x in head))
+    return [x / norm for x in head] if norm > 0 else head
 
 
 class LocalStream:
@@ -147,6 +164,8 @@ class LocalModel:
         # Work on worker threads that uses the runner (templates, tokenization,
         # sampler set-up): close() waits for it before freeing the model.
         self._lock = threading.Condition()
+        self._embed_lock = threading.Lock()
+        self._embedder: Embedder | None = None  # the pooled context, on first use
         self._using = 0
         self._closed = False
         self.engine.start()
@@ -218,6 +237,51 @@ class LocalModel:
 
         return int(await self.offload.run(count))
 
+    async def embed(
+        self, inputs: list[str] | list[list[int]], *, truncate: bool, dimensions: int | None
+    ) -> Embeddings:
+        """Embed on the model's pooled context (made on first use, beside the
+        generation context): tokenized and decoded on a worker thread."""
+
+        def run() -> Embeddings:
+            with self._in_use():
+                embedder = self._embedder_now()
+                batch = [self._embed_tokens(x) for x in inputs]
+                window = embedder.n_ctx
+                if truncate:
+                    batch = [tokens[:window] for tokens in batch]
+                for i, tokens in enumerate(batch):
+                    if len(tokens) > window:
+                        raise InvalidRequest(
+                            f"input {i} is {len(tokens)} tokens; this model embeds at most "
+                            f"{window} at once",
+                            param="input",
+                        )
+                vectors = embedder.embed(batch)
+            return Embeddings([shorten(v, dimensions) for v in vectors], sum(len(t) for t in batch))
+
+        return await self.offload.run(run)
+
+    def _embed_tokens(self, value: str | list[int]) -> list[int]:
+        if isinstance(value, str):
+            return self.runner.tokenize(value, add_special=True, parse_special=False)
+        bad = next((t for t in value if not 0 <= t < self.runner.n_vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad} is out of range", param="input")
+        return list(value)
+
+    def _embedder_now(self) -> Embedder:
+        with self._embed_lock:
+            if self._embedder is None:
+                self._embedder = self.runner.new_embedder(min(self.runner.n_ctx_seq, EMBED_CTX))
+                log.info(
+                    "'%s' embeds: %s pooling, %d tokens an input",
+                    self.name,
+                    self._embedder.pooling,
+                    self._embedder.n_ctx,
+                )
+            return self._embedder
+
     @contextlib.contextmanager
     def _in_use(self) -> Iterator[None]:
         with self._lock:
@@ -249,6 +313,8 @@ class LocalModel:
             f"The model '{self.name}' was unloaded while this request was using it."
         )
         self.engine.stop(error=reason)
+        if self._embedder is not None:
+            self._embedder.close()
         self.runner.close()
 
     def begin_shutdown(self) -> None:

@@ -34,6 +34,7 @@ from sluice.dialects.lmstudio import chat as lmstudio_chat
 from sluice.dialects.lmstudio import routes as lmstudio
 from sluice.dialects.ollama import format as ollama_format
 from sluice.dialects.ollama import routes as ollama
+from sluice.dialects.openai import embeddings as openai_embeddings
 from sluice.dialects.openai import routes as openai
 from sluice.dialects.responses import format as responses_format
 from sluice.dialects.responses import routes as responses
@@ -47,7 +48,16 @@ from sluice.store import SQLiteStore
 log = logging.getLogger("sluice.api")
 
 # Ollama's paths (beside LM Studio's /api/v1/...): their errors are {"error": "..."}.
-OLLAMA_PATHS = ("/api/chat", "/api/generate", "/api/tags", "/api/show", "/api/version", "/api/ps")
+OLLAMA_PATHS = (
+    "/api/chat",
+    "/api/generate",
+    "/api/tags",
+    "/api/show",
+    "/api/version",
+    "/api/ps",
+    "/api/embed",
+    "/api/embeddings",
+)
 
 # Error shapes by path prefix, for what answers before a route does (the keys, an
 # unknown route or method): a client gets errors in the dialect it speaks.
@@ -186,6 +196,9 @@ def create_app(
             Route("/api/show", ollama.show, methods=["POST"]),
             Route("/api/version", ollama.version, methods=["GET"]),
             Route("/api/ps", ollama.ps, methods=["GET"]),
+            Route("/api/embed", ollama.embed, methods=["POST"]),
+            Route("/api/embeddings", ollama.embeddings_legacy, methods=["POST"]),
+            Route("/v1/embeddings", openai_embeddings.embeddings, methods=["POST"]),
             *lmstudio.ROUTES,
         ],
         lifespan=lifespan,

@@ -285,3 +285,25 @@ def validate_body(data: dict[str, Any], model: type[M]) -> M:
     if unknown:
         log.info("ignoring unknown request fields: %s", ", ".join(unknown))
     return parsed
+
+
+# Inputs in one embeddings request (OpenAI's own limit).
+MAX_EMBED_INPUTS = 2048
+
+
+def check_embed_inputs(items: list[Any]) -> list[str] | list[list[int]]:
+    """Inputs one request may have: at least one, at most :data:`MAX_EMBED_INPUTS`, none
+    empty, all texts or all token lists."""
+    if not items:
+        raise InvalidRequest("'input' is empty", param="input")
+    if len(items) > MAX_EMBED_INPUTS:
+        raise InvalidRequest(
+            f"'input' has {len(items)} items; the limit is {MAX_EMBED_INPUTS}", param="input"
+        )
+    for i, item in enumerate(items):
+        if isinstance(item, str | list) and not item:
+            raise InvalidRequest(f"input[{i}] is empty", param=f"input[{i}]")
+    texts = all(isinstance(x, str) for x in items)
+    if not texts and not all(isinstance(x, list) for x in items):
+        raise InvalidRequest("'input' mixes texts and token ids", param="input")
+    return items

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from sluice.core.backend import StreamMeta
+from sluice.core.backend import Embeddings, StreamMeta
 from sluice.core.errors import (
     SluiceError,
     UpstreamFailed,
@@ -154,6 +154,38 @@ class UpstreamModel:
         raise UpstreamMalformed(
             f"The upstream '{self.slot.name}' reported no usage, so its tokens cannot be counted."
         )
+
+    async def embed(
+        self, inputs: list[str] | list[list[int]], *, truncate: bool, dimensions: int | None
+    ) -> Embeddings:
+        """The upstream's ``/v1/embeddings`` for ``inputs`` (floats asked for; how an
+        input over its window is handled is the upstream's, ``truncate`` aside)."""
+        body: dict[str, Any] = {"model": self.name, "input": inputs, "encoding_format": "float"}
+        if dimensions is not None:
+            body["dimensions"] = dimensions
+        raw = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+        response = await self.slot.pool.send("/embeddings", raw, {"accept": "application/json"})
+        try:
+            content = await response.aread()
+        finally:
+            await response.aclose()
+        if response.status != 200:
+            raise error_from_response(response.status, content, response.headers)
+        try:
+            answer = json.loads(content)
+            data = sorted(answer["data"], key=lambda d: d["index"])
+            vectors = [[float(x) for x in d["embedding"]] for d in data]
+            tokens = int((answer.get("usage") or {}).get("prompt_tokens") or 0)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise UpstreamMalformed(
+                f"The upstream '{self.slot.name}' answered embeddings sluice cannot read: {exc}"
+            ) from None
+        if len(vectors) != len(inputs):
+            raise UpstreamMalformed(
+                f"The upstream '{self.slot.name}' answered {len(vectors)} embeddings "
+                f"for {len(inputs)} inputs."
+            )
+        return Embeddings(vectors, tokens)
 
     async def passthrough(
         self,

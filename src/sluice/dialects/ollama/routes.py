@@ -40,12 +40,18 @@ from sluice.core.events import ErrorEvent
 from sluice.core.model import ModelSpec
 from sluice.core.request import SamplerDefaults
 from sluice.dialects.ollama.format import NDJSON, OllamaFormatter, error_line, error_response
-from sluice.dialects.ollama.schema import ChatRequest, GenerateRequest, ShowRequest, parse
+from sluice.dialects.ollama.schema import (
+    ChatRequest,
+    EmbedRequest,
+    GenerateRequest,
+    ShowRequest,
+    parse,
+)
 from sluice.local.model import LocalModel
 from sluice.models.dispatch import SlotLease
 from sluice.models.files import ModelFile, read_all_model_files, reasoning_capability
 from sluice.server.body import read_request_body
-from sluice.server.jsonbody import check_body_limits, parse_json_body
+from sluice.server.jsonbody import check_body_limits, check_embed_inputs, parse_json_body
 from sluice.server.respond import CLIENT_GONE, errors_as, respond
 from sluice.server.sse import json_response
 from sluice.server.state import ServerState, server_state
@@ -347,3 +353,46 @@ async def show(request: Request) -> Response:
             "modified_at": _local_entry(spec, file)["modified_at"],
         }
     )
+
+
+# -- embeddings -----------------------------------------------------------------------------
+
+
+async def _embed(request: Request, legacy: bool) -> Response:
+    started = time.monotonic()
+    state = server_state(request)
+    raw = await read_request_body(request, state.settings.max_body_bytes, lambda: state.draining)
+    if raw is None:
+        return Response(status_code=CLIENT_GONE)
+    body: EmbedRequest = parse(_json_object(raw, state), EmbedRequest)
+    name = body.model.removesuffix(":latest")
+    inputs = check_embed_inputs([body.prompt] if legacy else body.input_list())
+    lease = await state.dispatcher.acquire(name, ttl=body.ttl())
+    try:
+        result = await lease.backend.embed(
+            inputs, truncate=body.truncate, dimensions=body.dimensions
+        )
+    finally:
+        lease.release()
+    if legacy:
+        return json_response({"embedding": result.vectors[0]})
+    load = (lease.load_seconds or 0.0) if lease.loaded_now else 0.0
+    return json_response(
+        {
+            "model": body.model,
+            "embeddings": result.vectors,
+            "total_duration": int((time.monotonic() - started) * 1e9),
+            "load_duration": int(load * 1e9),
+            "prompt_eval_count": result.prompt_tokens,
+        }
+    )
+
+
+@errors_as(error_response)
+async def embed(request: Request) -> Response:
+    return await _embed(request, legacy=False)
+
+
+@errors_as(error_response)
+async def embeddings_legacy(request: Request) -> Response:
+    return await _embed(request, legacy=True)

@@ -99,15 +99,8 @@ class Message(_Wire):
     tool_call_id: str | None = None
 
 
-class _Common(_Wire):
-    model: str = Field(min_length=1)
-    stream: bool = True
-    format: str | dict[str, Any] | None = None
-    options: Options = Field(default_factory=Options)
+class _KeepAlive(_Wire):
     keep_alive: str | int | float | None = None
-    think: bool | Literal["low", "medium", "high"] | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     def ttl(self) -> float | None:
         """``keep_alive`` as the model's idle TTL: None (the default), 0 (never unload:
@@ -122,6 +115,16 @@ class _Common(_Wire):
     def unloads(self) -> bool:
         """``keep_alive`` 0: the model goes once this answer is done."""
         return self.ttl() == UNLOAD_NOW
+
+
+class _Common(_KeepAlive):
+    model: str = Field(min_length=1)
+    stream: bool = True
+    format: str | dict[str, Any] | None = None
+    options: Options = Field(default_factory=Options)
+    think: bool | Literal["low", "medium", "high"] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     def response_format(self) -> dict[str, Any] | None:
         if self.format is None or self.format == "":
@@ -204,6 +207,22 @@ class GenerateRequest(_Common):
             messages.append({"role": "system", "content": self.system})
         messages.append({"role": "user", "content": self.prompt})
         return self._neutral(messages=messages)
+
+
+class EmbedRequest(_KeepAlive):
+    """``/api/embed`` (``input``) and the older ``/api/embeddings`` (``prompt``)."""
+
+    model: str = Field(min_length=1)
+    input: str | list[str] | None = None
+    prompt: str = ""
+    truncate: bool = True
+    dimensions: int | None = Field(default=None, ge=1)
+    options: Options = Field(default_factory=Options)
+
+    def input_list(self) -> list[str]:
+        if self.input is None:
+            return []
+        return [self.input] if isinstance(self.input, str) else list(self.input)
 
 
 class ShowRequest(_Wire):

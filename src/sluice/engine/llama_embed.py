@@ -1,0 +1,132 @@
+"""Embeddings on llama.cpp: a pooled context beside a model's generation context.
+
+A loaded model gets one on its first embedding request: a second
+``llama_context`` on the same weights with ``embeddings`` on and a pooling type,
+the GGUF's own when it declares one (``<arch>.pooling_type``: an embedding model),
+else mean pooling (the chat models, as llama.cpp's server does with ``--pooling
+mean``). Several inputs go through one ``llama_decode``, one sequence each, as many
+as fit ``n_batch`` tokens; each sequence's pooled vector is read with
+``llama_get_embeddings_seq`` and L2-normalized, like the peers.
+
+It runs on a worker thread, one batch at a time (a lock): never on the engine
+thread, so generation goes on beside it.
+
+Example::
+
+    embedder = LlamaEmbedder.create(runner, n_ctx=2048)
+    vectors = embedder.embed([tokens_a, tokens_b])
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from sluice.core.errors import ModelLoadFailed
+from sluice.engine.llama_runner import LlamaRunner, _llama
+from sluice.engine.runner import DecodeError
+
+log = logging.getLogger("sluice.llama")
+
+_MAX_SEQS = 64  # inputs in one decode (llama.cpp's n_seq_max)
+
+
+class LlamaEmbedder:
+    """A pooled embedding context on a loaded runner's model."""
+
+    def __init__(self, runner: LlamaRunner, ctx: Any, n_ctx: int, pooling: str) -> None:
+        self._L = _llama()
+        self._runner = runner
+        self._ctx = ctx
+        self.n_ctx = n_ctx  # tokens per decode, and so per input
+        self.n_embd = int(self._L.llama_model_n_embd(runner.model))
+        self.pooling = pooling  # "mean", or what the GGUF declares
+        self._mem = self._L.llama_get_memory(ctx)
+        self._batch = self._L.llama_batch_init(n_ctx, 0, 1)
+        self._lock = threading.Lock()
+
+    @classmethod
+    def create(cls, runner: LlamaRunner, n_ctx: int, threads: int) -> LlamaEmbedder:
+        """The embedding context (blocking: llama.cpp allocates its buffers)."""
+        L = _llama()
+        declared = runner.meta(f"{runner.architecture}.pooling_type")
+        cparams = L.llama_context_default_params()
+        cparams.embeddings = True
+        if declared not in (None, "0"):  # the GGUF's own (an embedding model)
+            cparams.pooling_type = L.LLAMA_POOLING_TYPE_UNSPECIFIED
+            pooling = {"1": "mean", "2": "cls", "3": "last", "4": "rank"}.get(declared, declared)
+        else:
+            cparams.pooling_type = L.LLAMA_POOLING_TYPE_MEAN
+            pooling = "mean"
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = n_ctx
+        cparams.n_ubatch = n_ctx  # a sequence is pooled within one ubatch
+        cparams.n_seq_max = _MAX_SEQS
+        cparams.kv_unified = True
+        cparams.n_threads = threads
+        cparams.n_threads_batch = threads
+        cparams.no_perf = True
+        ctx = L.llama_init_from_model(runner.model, cparams)
+        if not ctx:
+            raise ModelLoadFailed(
+                "llama.cpp could not create an embedding context (out of memory?)"
+            )
+        return cls(runner, ctx, n_ctx, pooling)
+
+    def embed(self, inputs: Sequence[list[int]]) -> list[list[float]]:
+        """One L2-normalized vector per input (token ids; each 1 to ``n_ctx`` of them,
+        which the caller checked)."""
+        out: list[list[float]] = []
+        with self._lock:
+            group: list[list[int]] = []
+            used = 0
+            for tokens in inputs:
+                if group and (used + len(tokens) > self.n_ctx or len(group) == _MAX_SEQS):
+                    out.extend(self._decode(group))
+                    group, used = [], 0
+                group.append(tokens)
+                used += len(tokens)
+            if group:
+                out.extend(self._decode(group))
+        return out
+
+    def _decode(self, group: list[list[int]]) -> list[list[float]]:
+        L, batch = self._L, self._batch
+        i = 0
+        for seq, tokens in enumerate(group):
+            for pos, token in enumerate(tokens):
+                batch.token[i] = token
+                batch.pos[i] = pos
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = seq
+                batch.logits[i] = True  # pooling reads every position
+                i += 1
+        batch.n_tokens = i
+        L.llama_memory_clear(self._mem, True)
+        rc = L.llama_decode(self._ctx, batch)
+        if rc != 0:
+            raise DecodeError(f"llama_decode returned {rc} (embeddings)")
+        vectors = []
+        for seq in range(len(group)):
+            ptr = L.llama_get_embeddings_seq(self._ctx, seq)
+            if not ptr:
+                raise DecodeError(f"no pooled embedding for sequence {seq}")
+            vec = np.ctypeslib.as_array(
+                ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), (self.n_embd,)
+            )
+            v = vec.astype(np.float64)
+            norm = float(np.linalg.norm(v))
+            vectors.append((v / norm if norm > 0 else v).tolist())
+        return vectors
+
+    def close(self) -> None:
+        with self._lock:
+            if self._ctx:
+                self._L.llama_batch_free(self._batch)
+                self._L.llama_free(self._ctx)
+                self._ctx = None

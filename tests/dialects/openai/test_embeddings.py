@@ -1,0 +1,105 @@
+"""/v1/embeddings, /api/embed and /api/embeddings at their boundaries, on the scripted
+runner's fake embedder: shapes, base64, dimensions, limits and errors."""
+
+from __future__ import annotations
+
+import base64
+import math
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from sluice.server.jsonbody import MAX_EMBED_INPUTS
+from tests.support.fakes import ScriptedRunner
+from tests.support.helpers import scripted_server
+
+
+def post(base: str, path: str, **body: Any) -> httpx.Response:
+    return httpx.post(base + path, json={"model": "scripted", **body}, timeout=30)
+
+
+def test_openai_embeddings_float_base64_and_usage() -> None:
+    with scripted_server(ScriptedRunner()) as base:
+        floats = post(base, "/v1/embeddings", input=["hello there", "goodbye"])
+        b64 = post(
+            base, "/v1/embeddings", input=["hello there", "goodbye"], encoding_format="base64"
+        )
+        one = post(base, "/v1/embeddings", input="hello there")
+        ids = post(base, "/v1/embeddings", input=[5, 6, 7])
+    assert floats.status_code == 200, floats.text
+    body = floats.json()
+    assert body["object"] == "list" and body["model"] == "scripted"
+    assert [d["index"] for d in body["data"]] == [0, 1]
+    assert all(d["object"] == "embedding" for d in body["data"])
+    vectors = [d["embedding"] for d in body["data"]]
+    assert all(math.isclose(math.hypot(*v), 1.0, rel_tol=1e-6) for v in vectors)
+    assert body["usage"]["prompt_tokens"] == body["usage"]["total_tokens"] > 0
+    decoded = [
+        np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4").tolist()
+        for d in b64.json()["data"]
+    ]
+    assert np.allclose(decoded, vectors, atol=1e-6)
+    assert one.json()["data"][0]["embedding"] == vectors[0]
+    assert len(ids.json()["data"]) == 1 and ids.json()["usage"]["prompt_tokens"] == 3
+
+
+def test_dimensions_keep_the_first_values_normalized_again() -> None:
+    with scripted_server(ScriptedRunner()) as base:
+        full = post(base, "/v1/embeddings", input="hello there").json()["data"][0]["embedding"]
+        short = post(base, "/v1/embeddings", input="hello there", dimensions=3).json()
+    head = np.array(full[:3])
+    assert np.allclose(short["data"][0]["embedding"], head / np.linalg.norm(head))
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"input": []}, "input"),
+        ({"input": ["a", ""]}, "input[1]"),
+        ({"input": ["a", [1, 2]]}, "input"),
+        ({"input": ["x"] * (MAX_EMBED_INPUTS + 1)}, "input"),
+        ({"input": "a", "encoding_format": "hex"}, "encoding_format"),
+        ({"input": "a", "dimensions": 0}, "dimensions"),
+        ({"input": [10**9]}, "input"),
+    ],
+)
+def test_openai_errors_name_the_field(body: dict[str, Any], param: str) -> None:
+    with scripted_server(ScriptedRunner()) as base:
+        r = post(base, "/v1/embeddings", **body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_an_input_over_the_window_is_a_400_for_openai_and_cut_for_ollama() -> None:
+    runner = ScriptedRunner(n_ctx_seq=64)
+    long = "word " * 200
+    with scripted_server(runner) as base:
+        openai = post(base, "/v1/embeddings", input=long)
+        ollama = post(base, "/api/embed", input=long)
+        strict = post(base, "/api/embed", input=long, truncate=False)
+    assert openai.status_code == 400 and "at most 64" in openai.json()["error"]["message"]
+    assert ollama.status_code == 200 and ollama.json()["prompt_eval_count"] == 64
+    assert strict.status_code == 400 and set(strict.json()) == {"error"}
+
+
+def test_ollama_embed_and_the_legacy_endpoint() -> None:
+    runner = ScriptedRunner()
+    with scripted_server(runner) as base:
+        many = post(base, "/api/embed", input=["hello there", "goodbye"])
+        single = post(base, "/api/embed", input="hello there")
+        legacy = post(base, "/api/embeddings", prompt="hello there")
+        openai = post(base, "/v1/embeddings", input="hello there")
+        empty = post(base, "/api/embed", input=[])
+    body = many.json()
+    assert body["model"] == "scripted" and len(body["embeddings"]) == 2
+    for key in ("total_duration", "load_duration", "prompt_eval_count"):
+        assert isinstance(body[key], int)
+    vector = openai.json()["data"][0]["embedding"]
+    assert single.json()["embeddings"] == [vector] == [body["embeddings"][0]]
+    assert legacy.json() == {"embedding": vector}
+    assert empty.status_code == 400 and set(empty.json()) == {"error"}
+    # One pooled context for the model, made on first use, every input of a request
+    # in one batch.
+    assert runner.embedders == 1
