@@ -106,6 +106,10 @@ RESPONSES_EVENTS = [
 ]
 
 
+# An image, a transcription, an embedding: whatever it is, the bytes are the upstream's.
+MEDIA_BODY = json.dumps({"data": [{"b64_json": "aGk=", "embedding": [0.5]}]}, indent=1).encode()
+
+
 def anthropic_event(data: dict[str, Any]) -> bytes:
     return f"event: {data['type']}\ndata: {json.dumps(data)}\n\n".encode()
 
@@ -154,8 +158,12 @@ class Upstream:
                         return  # close: the health check fails
                     self._respond(sock, 200, json.dumps({"data": [{"id": "m1"}]}).encode())
                     continue
-                self.posts.append({"path": path, "headers": headers, "body": json.loads(body)})
-                if not getattr(self, f"_{self.behaviour}")(sock, json.loads(body)):
+                try:
+                    parsed = json.loads(body)
+                except ValueError:  # a multipart form (audio), kept as bytes
+                    parsed = {}
+                self.posts.append({"path": path, "headers": headers, "body": parsed, "raw": body})
+                if not getattr(self, f"_{self.behaviour}")(sock, parsed):
                     return
         except OSError:
             return
@@ -254,6 +262,10 @@ class Upstream:
             self._chunk(sock, anthropic_event(event))
         sock.shutdown(socket.SHUT_RDWR)
         return False
+
+    def _media(self, sock: socket.socket, body: dict[str, Any]) -> bool:
+        self._respond(sock, 200, MEDIA_BODY)
+        return True
 
     def _bad_request(self, sock: socket.socket, body: dict[str, Any]) -> bool:
         err = b'{"error": {"message": "no such thing", "type": "invalid_request_error"}}'
@@ -551,3 +563,42 @@ def test_a_native_responses_upstream_gets_the_body_and_its_bytes_come_back() -> 
     assert (slot["tokens_in"], slot["tokens_out"], slot["errors"]) == (7, 1, 0)
     assert up.posts[0]["path"] == "/v1/responses"
     assert up.posts[0]["body"] == body | {"model": "m1"}
+
+
+def test_images_audio_rerank_and_embeddings_pass_through_to_an_upstream_model() -> None:
+    with upstreams("media") as (up,), gateway([up.url]) as base:
+        image = httpx.post(
+            f"{base}/v1/images/generations",
+            json={"model": "alias-m1", "prompt": "a fox", "stream": True},
+            timeout=10,
+        )
+        assert image.status_code == 200 and image.content == MEDIA_BODY
+        assert image.headers["x-sluice-slot"] == f"up; replica={up.url}"
+        assert up.posts[-1]["path"] == "/v1/images/generations"
+        assert up.posts[-1]["body"] == {"model": "m1", "prompt": "a fox", "stream": True}
+        # A multipart form: the alias renamed, the file's bytes as sent.
+        audio = b"RIFF\x00\x01fake-wave-bytes\xff"
+        spoken = httpx.post(
+            f"{base}/v1/audio/transcriptions",
+            data={"model": "alias-m1", "language": "en"},
+            files={"file": ("a.wav", audio, "audio/wav")},
+            timeout=10,
+        )
+        assert spoken.status_code == 200 and spoken.content == MEDIA_BODY
+        sent = up.posts[-1]
+        assert sent["path"] == "/v1/audio/transcriptions"
+        assert sent["headers"]["content-type"].startswith("multipart/form-data; boundary=")
+        assert audio in sent["raw"] and b'name="model"\r\n\r\nm1\r\n' in sent["raw"]
+        assert b"alias-m1" not in sent["raw"]
+        for path in ("/v1/rerank", "/v1/embeddings"):
+            r = httpx.post(f"{base}{path}", json={"model": "m1", "input": ["a"]}, timeout=10)
+            assert r.status_code == 200 and r.content == MEDIA_BODY, path
+            assert up.posts[-1]["path"] == path
+        # A local model serves none of them; a missing model is the usual answer.
+        local = httpx.post(
+            f"{base}/v1/images/generations", json={"model": "scripted", "prompt": "x"}, timeout=10
+        )
+        assert local.status_code == 400 and local.json()["error"]["param"] == "model"
+        assert "image generation" in local.json()["error"]["message"]
+        missing = httpx.post(f"{base}/v1/audio/speech", json={"input": "hi"}, timeout=10)
+        assert missing.status_code == 400 and missing.json()["error"]["param"] == "model"

@@ -35,6 +35,7 @@ from sluice.dialects.lmstudio import routes as lmstudio
 from sluice.dialects.ollama import format as ollama_format
 from sluice.dialects.ollama import routes as ollama
 from sluice.dialects.openai import embeddings as openai_embeddings
+from sluice.dialects.openai import media as openai_media
 from sluice.dialects.openai import routes as openai
 from sluice.dialects.responses import format as responses_format
 from sluice.dialects.responses import routes as responses
@@ -199,6 +200,10 @@ def create_app(
             Route("/api/embed", ollama.embed, methods=["POST"]),
             Route("/api/embeddings", ollama.embeddings_legacy, methods=["POST"]),
             Route("/v1/embeddings", openai_embeddings.embeddings, methods=["POST"]),
+            *(
+                Route(f"/v1{path}", openai_media.media, methods=["POST"])
+                for path in openai_media.WHAT
+            ),
             *lmstudio.ROUTES,
         ],
         lifespan=lifespan,
