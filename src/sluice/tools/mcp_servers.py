@@ -14,13 +14,11 @@ Example::
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
 import logging
 import math
 import re
-import socket
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +34,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 
 from sluice import __version__
+from sluice.core import addresses
 from sluice.core.errors import IntegrationNotAllowed, McpConnectionError
 
 log = logging.getLogger("sluice.mcp")
@@ -147,97 +146,29 @@ def is_http_url(url: str) -> bool:
 # -- addresses of ephemeral servers ----------------------------------------------------
 
 
-def _public(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return ip.is_global and not (
-        ip.is_loopback
-        or ip.is_private
-        or ip.is_link_local
-        or ip.is_reserved
-        or ip.is_multicast
-        or ip.is_unspecified
-    )
-
-
 async def public_addresses(host: str, port: int) -> list[str]:
-    """The addresses ``host`` resolves to (the loop's getaddrinfo), all of them public.
+    """The addresses ``host`` resolves to, all of them public (:mod:`sluice.core.addresses`).
 
     Raises :class:`IntegrationNotAllowed` naming the host when any address is loopback,
     private, link-local, reserved, multicast or unspecified; ``OSError`` when the name
     does not resolve.
     """
-    host = host.strip("[]")
     try:
-        addresses = [str(ipaddress.ip_address(host))]
-    except ValueError:
-        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
-    for address in addresses:
-        if not _public(ipaddress.ip_address(address.split("%", 1)[0])):
-            raise IntegrationNotAllowed(
-                f"MCP server host {host!r} resolves to {address}, which is not a public "
-                "address (loopback, private, link-local, reserved, multicast or unspecified)",
-                param="integrations",
-            )
-    return addresses
+        return await addresses.public_addresses(host, port)
+    except addresses.NotPublic as exc:
+        raise IntegrationNotAllowed(f"MCP server host {exc}", param="integrations") from exc
 
 
 def host_allowed(url: str, allowed_hosts: str) -> bool:
     """Whether the URL's host is on ``"host,host:port,..."`` (hosts without a port: any)."""
     parts = urlsplit(url)
-    host = (parts.hostname or "").rstrip(".").lower()
     port = parts.port or (443 if parts.scheme == "https" else 80)
-    for entry in (e.strip().lower() for e in allowed_hosts.split(",")):
-        if not entry:
-            continue
-        if entry.startswith("["):  # [v6] or [v6]:port
-            name, _, rest = entry[1:].partition("]")
-            entry_port = rest[1:] if rest.startswith(":") else ""
-        elif entry.count(":") == 1:
-            name, _, entry_port = entry.partition(":")
-        else:
-            name, entry_port = entry, ""
-        if name.rstrip(".") == host and entry_port in ("", str(port)):
-            return True
-    return False
+    return addresses.host_allowed(parts.hostname or "", port, allowed_hosts)
 
 
-class _PublicOnlyBackend(httpcore2.AsyncNetworkBackend):
+class _PublicOnlyBackend(addresses.PublicOnlyConnector, httpcore2.AsyncNetworkBackend):
     """Connects only to public addresses, resolved at connect time (no DNS rebinding
     between the check of the request and the connection)."""
-
-    def __init__(self) -> None:
-        self._inner = httpcore2.AnyIOBackend()
-
-    async def connect_tcp(
-        self,
-        host: str,
-        port: int,
-        timeout: float | None = None,
-        local_address: str | None = None,
-        socket_options: Iterable[Any] | None = None,
-    ) -> httpcore2.AsyncNetworkStream:
-        try:
-            addresses = await public_addresses(host, port)
-        except (OSError, IntegrationNotAllowed) as exc:
-            raise httpcore2.ConnectError(str(exc)) from exc
-        error: Exception = httpcore2.ConnectError(f"no address for {host}")
-        for address in addresses:
-            try:
-                return await self._inner.connect_tcp(
-                    address,
-                    port,
-                    timeout=timeout,
-                    local_address=local_address,
-                    socket_options=socket_options,
-                )
-            except (httpcore2.ConnectError, httpcore2.ConnectTimeout) as exc:
-                error = exc
-        raise error
-
-    async def sleep(self, seconds: float) -> None:
-        await self._inner.sleep(seconds)
 
 
 def _http_transport(public_only: bool) -> httpx2.AsyncHTTPTransport:
@@ -245,7 +176,12 @@ def _http_transport(public_only: bool) -> httpx2.AsyncHTTPTransport:
     pool = getattr(transport, "_pool", None)
     if public_only:
         if isinstance(pool, httpcore2.AsyncConnectionPool) and hasattr(pool, "_network_backend"):
-            pool._network_backend = _PublicOnlyBackend()
+            pool._network_backend = _PublicOnlyBackend(
+                httpcore2.AnyIOBackend(),
+                connect_error=httpcore2.ConnectError,
+                connect_timeout=httpcore2.ConnectTimeout,
+                refused=lambda exc: httpcore2.ConnectError(f"MCP server host {exc}"),
+            )
         else:  # pragma: no cover (an httpx2 without the pool we know)
             log.warning("cannot check MCP server addresses at connect time")
     return transport
