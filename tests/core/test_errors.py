@@ -8,6 +8,7 @@ from sluice.core.errors import (
     AuthenticationFailed,
     BodyTooLarge,
     ContextOverflow,
+    DownloadNotAllowed,
     EngineFailure,
     InvalidRequest,
     MissingChatTemplate,
@@ -36,6 +37,7 @@ from sluice.core.errors import (
         (ServerBusy("x"), 503, "server_error", "server_busy"),
         (ShuttingDown("x"), 503, "server_error", "shutting_down"),
         (EngineFailure("x"), 500, "server_error", "engine_error"),
+        (DownloadNotAllowed("x"), 400, "invalid_request_error", "download_not_allowed"),
     ],
 )
 def test_error_table(error: Exception, status: int, type_: str, code: str) -> None:

@@ -37,6 +37,7 @@ FAST: dict[str, Any] = {
     "chunk_bytes": 64 << 10,
     "backoff": 0.01,
     "timeout": httpx.Timeout(5.0, read=1.0),
+    "allow_private": True,  # the file server is on loopback (tests/models/test_download_addresses.py)
 }
 
 

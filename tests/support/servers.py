@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -156,10 +157,13 @@ def slow_socket(base: str, path: str, body: dict[str, Any], timeout: float = 10)
 
 
 @contextlib.contextmanager
-def http_server(handle: Callable[[BaseHTTPRequestHandler], None]) -> Iterator[str]:
+def http_server(
+    handle: Callable[[BaseHTTPRequestHandler], None], *, tls: ssl.SSLContext | None = None
+) -> Iterator[str]:
     """A real threaded HTTP/1.1 server on 127.0.0.1 whose GETs go to ``handle``.
 
-    Yields its base URL (``http://127.0.0.1:<port>``); stops it on exit.
+    Yields its base URL (``http://127.0.0.1:<port>``, ``https://`` with ``tls``, a
+    server context); stops it on exit.
     """
 
     class Handler(BaseHTTPRequestHandler):
@@ -173,10 +177,14 @@ def http_server(handle: Callable[[BaseHTTPRequestHandler], None]) -> Iterator[st
 
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     httpd.daemon_threads = True
+    if tls is not None:  # the handshake runs in each request's thread, on first read
+        httpd.socket = tls.wrap_socket(
+            httpd.socket, server_side=True, do_handshake_on_connect=False
+        )
     thread = threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True)
     thread.start()
     try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+        yield f"{'https' if tls else 'http'}://127.0.0.1:{httpd.server_address[1]}"
     finally:
         httpd.shutdown()
         httpd.server_close()

@@ -105,6 +105,20 @@ class Settings:
         "every .gguf file below this folder is a model; downloads go here",
         shown="$XDG_DATA_HOME/sluice/models",
     )
+    download_allow_private: bool = setting(
+        False,
+        "models",
+        "let /api/v1/models/download fetch from loopback, private, link-local (cloud "
+        "metadata) and other non-public addresses; off: refused before a job starts, and "
+        "every connection (redirects too) is checked again",
+    )
+    download_allowed_hosts: str | None = setting(
+        None,
+        "models",
+        "'host,host:port,...': download URLs only on these (redirects they send are "
+        "followed, still address-checked)",
+        shown="any public host",
+    )
     config: str | None = setting(
         None,
         "models",

@@ -143,6 +143,11 @@ class DownloadFailed(SluiceError):
     """A model download failed (network, HTTP status, checksum, disk)."""
 
 
+class DownloadNotAllowed(InvalidRequest):
+    """A download URL this server may not fetch: its host resolves to a loopback,
+    private or link-local address, or is not on the allowed hosts."""
+
+
 class InternalError(SluiceError):
     """Something unexpected inside the server (a bug): still answered in the dialect's shape."""
 
@@ -245,6 +250,7 @@ _TABLE: dict[type[SluiceError], ErrorSpec] = {
     InsufficientMemory: ErrorSpec(503, "server_error", "insufficient_memory"),
     ModelTooLarge: ErrorSpec(400, "invalid_request_error", "model_too_large"),
     DownloadFailed: ErrorSpec(502, "server_error", "download_failed"),
+    DownloadNotAllowed: ErrorSpec(400, "invalid_request_error", "download_not_allowed"),
     InternalError: ErrorSpec(500, "server_error", "internal_error"),
     UpstreamFailed: ErrorSpec(502, "server_error", "upstream_error"),
     UpstreamTimeout: ErrorSpec(502, "server_error", "upstream_timeout"),

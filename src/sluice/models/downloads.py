@@ -8,6 +8,15 @@ the model list never sees half a file. A dropped connection is resumed with a
 ``Range`` request; a job started for a file whose ``.part`` is already on disk
 (after a restart, or after :meth:`DownloadManager.close`) resumes from it.
 
+A client picks the URL, so the server must not become its way into the local
+network: unless the manager allows private addresses, a URL whose host resolves
+to a loopback, private, link-local (cloud metadata), reserved, multicast or
+unspecified address is refused before a job starts (:class:`DownloadNotAllowed`,
+a 400 naming the field), and every connection the transfer makes, to a redirect
+target too, resolves the host again and connects only to the addresses it
+checked (:func:`public_only_transport`), so a DNS answer that changes in between
+reaches nothing unchecked. ``allowed_hosts`` narrows the URLs further.
+
 File writes and hashing run on worker threads one chunk at a time (about
 1 MiB), so the event loop never waits on the disk for long. They are short,
 unlike the calls :mod:`sluice.local.offload` runs, so ``asyncio.to_thread``
@@ -35,6 +44,7 @@ import logging
 import os
 import re
 import secrets
+import ssl
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -42,9 +52,17 @@ from pathlib import Path
 from typing import IO, Any, Literal, TypeVar
 from urllib.parse import unquote, urlsplit
 
+import httpcore
 import httpx
 
-from sluice.core.errors import DownloadFailed, InvalidRequest, JobNotFound, ShuttingDown
+from sluice.core import addresses
+from sluice.core.errors import (
+    DownloadFailed,
+    DownloadNotAllowed,
+    InvalidRequest,
+    JobNotFound,
+    ShuttingDown,
+)
 
 log = logging.getLogger("sluice.downloads")
 
@@ -148,6 +166,10 @@ class DownloadManager:
     ``retries`` bounds the attempts in a row that gain no bytes (a drop after
     progress resets the count, so a flaky link still finishes a large file);
     ``backoff`` is the first wait between attempts, doubled each time up to 10 s.
+    ``allow_private`` lets URLs reach loopback, private and link-local addresses;
+    ``allowed_hosts`` (``"host,host:port,..."``) lists the only hosts a URL may name.
+    A ``client`` given here must do its own connect-time check (made with
+    :func:`public_only_transport`, unless ``allow_private``).
     """
 
     def __init__(
@@ -159,10 +181,19 @@ class DownloadManager:
         chunk_bytes: int = 1 << 20,
         timeout: httpx.Timeout = DEFAULT_TIMEOUT,
         backoff: float = 0.5,
+        allow_private: bool = False,
+        allowed_hosts: str | None = None,
     ) -> None:
         self.models_dir = Path(models_dir)
+        self._allow_private = allow_private
+        self._allowed_hosts = allowed_hosts
         self._own_client = client is None
-        self._client = client or httpx.AsyncClient(timeout=timeout, follow_redirects=True)
+        if client is None:
+            # Without the check, the default transport (which honours HTTP(S)_PROXY);
+            # with it, connections go straight to the checked addresses.
+            transport = None if allow_private else public_only_transport()
+            client = httpx.AsyncClient(timeout=timeout, follow_redirects=True, transport=transport)
+        self._client = client
         self._retries = max(0, retries)
         self._chunk_bytes = max(1, chunk_bytes)
         self._timeout = timeout
@@ -180,13 +211,17 @@ class DownloadManager:
         The file is named ``filename`` or after the URL's last path segment and
         must be a ``.gguf``. A file already in the folder gives a job with status
         ``already_downloaded``; a file being downloaded gives the running job.
+        Raises :class:`InvalidRequest` (``param`` ``"url"``, ``"filename"`` or
+        ``"sha256"``), :class:`DownloadNotAllowed` for a host this manager may not
+        download from.
         """
-        # No await before the job is registered: two calls for one file cannot race.
-        if self._closed:
-            raise ShuttingDown("The download manager is closed.")
+        self._check_open()
         _check_url(url)
         name = _file_name(url, filename)
         expected = _check_sha256(sha256)
+        await self._check_host(url)
+        # No await from here until the job is registered: two calls for one file cannot race.
+        self._check_open()
         path = self.models_dir / name
         running = self._running.get(path)
         if running is not None:
@@ -204,6 +239,36 @@ class DownloadManager:
         self._tasks[job.id] = task
         task.add_done_callback(functools.partial(self._task_done, job))
         return job
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ShuttingDown("The download manager is closed.")
+
+    async def _check_host(self, url: str) -> None:
+        """The URL's host is allowed, and (unless private addresses are) public."""
+        parsed = httpx.URL(url)
+        host = parsed.raw_host.decode("ascii")  # the name connected: IDNA, no brackets
+        port = parsed.port or (443 if parsed.scheme == "https" else 80)
+        allowed = self._allowed_hosts
+        if allowed is not None and not any(
+            addresses.host_allowed(name, port, allowed) for name in (host, parsed.host)
+        ):
+            raise DownloadNotAllowed(
+                f"The download host {parsed.host!r} is not on this server's allowed hosts.",
+                param="url",
+            )
+        if self._allow_private:
+            return
+        try:
+            async with asyncio.timeout(self._timeout.connect):
+                await addresses.public_addresses(host, port)
+        except addresses.NotPublic as exc:
+            raise DownloadNotAllowed(
+                f"The download host {exc}; this server does not download from such addresses.",
+                param="url",
+            ) from exc
+        except (OSError, TimeoutError):
+            pass  # no answer now: each attempt of the job resolves and checks again
 
     def get(self, job_id: str) -> DownloadJob:
         job = self._jobs.get(job_id)
@@ -359,6 +424,12 @@ class DownloadManager:
                     job.total_size_bytes = total
                 job._validator = _validator(response) or job._validator
                 await self._receive(job, part, response)
+        except addresses.NotPublic as exc:  # from the transport: never worth a retry
+            raise DownloadFailed(
+                f"Download of {job.display_url} stopped: host {exc} (a redirect, or a DNS "
+                "answer that changed since the request); this server does not download "
+                "from such addresses."
+            ) from exc
         except httpx.UnsupportedProtocol as exc:  # e.g. a redirect to ftp://
             raise DownloadFailed(f"Download of {job.display_url} failed: {exc}") from exc
         except httpx.TransportError as exc:  # dropped, timed out, refused: try again
@@ -484,6 +555,44 @@ class _Rate:
         # Up to now, not to the last sample: a stalled transfer shows its rate falling.
         elapsed = now - t0
         return (n1 - n0) / elapsed if elapsed > 0 else None
+
+
+# -- addresses ----------------------------------------------------------------------------
+
+
+def public_only_transport(
+    inner: httpcore.AsyncNetworkBackend | None = None, *, verify: ssl.SSLContext | bool = True
+) -> httpx.AsyncHTTPTransport:
+    """An httpx transport that connects to public addresses only.
+
+    Its connection pool's network backend resolves each host itself and connects
+    to the resolved address by number, after checking it: the address connected
+    is the address checked (no DNS rebinding), for the first request and for
+    every redirect, while TLS still verifies and sends the host name (httpcore
+    takes SNI and the certificate name from the URL, not from the socket). A
+    refused address raises :class:`~sluice.core.addresses.NotPublic` out of the
+    request. ``inner`` makes the connections (default: httpcore's AnyIO backend);
+    ``verify`` is httpx's.
+    """
+    transport = httpx.AsyncHTTPTransport(verify=verify)
+    pool = getattr(transport, "_pool", None)
+    if not isinstance(pool, httpcore.AsyncConnectionPool) or not hasattr(
+        pool, "_network_backend"
+    ):  # pragma: no cover (an httpx whose pool is not the one we know)
+        raise RuntimeError(
+            "cannot check download addresses at connect time with this httpx; "
+            "start with --download-allow-private to download without the check"
+        )
+    pool._network_backend = _PublicOnlyBackend(
+        inner or httpcore.AnyIOBackend(),
+        connect_error=httpcore.ConnectError,  # a name that does not resolve: retried
+        connect_timeout=httpcore.ConnectTimeout,
+    )
+    return transport
+
+
+class _PublicOnlyBackend(addresses.PublicOnlyConnector, httpcore.AsyncNetworkBackend):
+    """Resolves, checks, then connects to the checked addresses by number."""
 
 
 async def _in_thread(fn: Callable[[], T]) -> T:

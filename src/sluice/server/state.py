@@ -148,7 +148,11 @@ def build_state(
         strict_names=settings.strict_model_names,
     )
     models_dir = Path(settings.models_dir) if settings.models_dir else default_models_dir()
-    downloads = DownloadManager(models_dir.expanduser())
+    downloads = DownloadManager(
+        models_dir.expanduser(),
+        allow_private=settings.download_allow_private,
+        allowed_hosts=settings.download_allowed_hosts,
+    )
     meters = Metrics()
     upstreams = [
         UpstreamSlot(spec, UpstreamPool(spec), meters.slot(spec.name, "upstream"))

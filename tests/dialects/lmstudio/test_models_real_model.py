@@ -3,7 +3,8 @@
 One server for the module (``--ctx 512 --parallel 1``, one llama.cpp thread)
 over its own models folder, and one local HTTP file server that serves the
 real SmolLM2 GGUF with ``Range`` support and drops the connection once
-mid-file, so a download through the endpoint must resume to finish.
+mid-file, so a download through the endpoint must resume to finish (the server
+has ``--download-allow-private``: the file server is on loopback).
 """
 
 from __future__ import annotations
@@ -104,7 +105,8 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def base(models_dir: Path) -> Iterator[str]:
-    args = ("--ctx", "512", "--parallel", "1", *QUIET)
+    # The file server is on loopback, which downloads refuse without the flag.
+    args = ("--ctx", "512", "--parallel", "1", "--download-allow-private", *QUIET)
     with serve_process(*args, env={"SLUICE_MODELS_DIR": str(models_dir)}) as url:
         yield url
 

@@ -12,7 +12,10 @@ never the OpenAI shape the app's global handlers write.
 * ``POST /api/v1/models/unload`` ``{"instance_id"}``.
 * ``POST /api/v1/models/download`` ``{"model": "<URL of a .gguf>", "sha256"?,
   "filename"?}`` and ``GET /api/v1/models/download/status/{job_id}``: the file
-  lands in the models folder and is a model (named by its stem) from then on.
+  lands in the models folder and is a model (named by its stem) from then on. A
+  host on a loopback, private or link-local address (unless
+  ``--download-allow-private``) or off ``--download-allowed-hosts`` is a 400
+  naming ``model``.
 
 Example::
 
@@ -36,6 +39,7 @@ from starlette.routing import Route
 from sluice.config import Settings
 from sluice.core.backend import LoadOptions
 from sluice.core.errors import (
+    DownloadNotAllowed,
     InvalidRequest,
     ModelNotFound,
     ShuttingDown,
@@ -275,6 +279,8 @@ async def download_model(request: Request) -> Response:
         log.info("download: 'quantization' ignored; the URL names one file")
     try:
         job = await state.downloads.start(url, sha256=body.sha256, filename=body.filename)
+    except DownloadNotAllowed as exc:  # the URL is fine; its host is not
+        raise DownloadNotAllowed(f"Invalid 'model': {exc.message}", param="model") from exc
     except InvalidRequest as exc:
         if exc.param != "url":
             raise
