@@ -58,6 +58,7 @@ OLLAMA_PATHS = (
     "/api/ps",
     "/api/embed",
     "/api/embeddings",
+    "/api/pull",
 )
 
 # Error shapes by path prefix, for what answers before a route does (the keys, an
@@ -198,6 +199,7 @@ def create_app(
             Route("/api/version", ollama.version, methods=["GET"]),
             Route("/api/ps", ollama.ps, methods=["GET"]),
             Route("/api/embed", ollama.embed, methods=["POST"]),
+            Route("/api/pull", ollama.pull, methods=["POST"]),
             Route("/api/embeddings", ollama.embeddings_legacy, methods=["POST"]),
             Route("/v1/embeddings", openai_embeddings.embeddings, methods=["POST"]),
             *(

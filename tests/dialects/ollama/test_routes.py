@@ -13,6 +13,7 @@ import pytest
 from sluice.dialects.ollama.schema import UNLOAD_NOW, ChatRequest
 from tests.support.fakes import EOS, FAIL, ScriptedRunner
 from tests.support.helpers import scripted_server
+from tests.support.servers import http_server
 
 CALL = b'<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 WEATHER = {
@@ -176,3 +177,45 @@ def test_version_tags_and_show() -> None:
     assert show.status_code == 200, show.text
     assert "completion" in show.json()["capabilities"] and "tools" in show.json()["capabilities"]
     assert "temperature" in show.json()["parameters"]
+
+
+def _file_server_handler(data: bytes) -> Any:
+    def handle(h: Any) -> None:
+        h.send_response(200)
+        h.send_header("Content-Type", "application/octet-stream")
+        h.send_header("Content-Length", str(len(data)))
+        h.end_headers()
+        h.wfile.write(data)
+
+    return handle
+
+
+def test_pull_a_url_streams_progress_then_success(tmp_path: Any) -> None:
+    data = b"GGUF" + bytes(range(256)) * 400
+    settings = {"models_dir": str(tmp_path), "download_allow_private": True}
+    with (
+        http_server(_file_server_handler(data)) as files,
+        scripted_server(ScriptedRunner(), **settings) as base,
+    ):
+        r = httpx.post(base + "/api/pull", json={"model": f"{files}/tiny.gguf"}, timeout=30)
+        again = httpx.post(
+            base + "/api/pull", json={"name": f"{files}/tiny.gguf", "stream": False}, timeout=30
+        )
+    assert r.status_code == 200 and r.headers["content-type"] == "application/x-ndjson"
+    got = lines(r.content)
+    assert got[0] == {"status": "pulling manifest"} and got[-1] == {"status": "success"}
+    progress = [g for g in got if "total" in g]
+    assert progress and progress[-1]["completed"] == progress[-1]["total"] == len(data)
+    assert (tmp_path / "tiny.gguf").read_bytes() == data
+    assert again.json() == {"status": "success"}  # already there
+
+
+def test_pull_refuses_registry_names_and_private_addresses(tmp_path: Any) -> None:
+    with scripted_server(ScriptedRunner(), models_dir=str(tmp_path)) as base:
+        name = httpx.post(base + "/api/pull", json={"model": "llama3.2"}, timeout=30)
+        private = httpx.post(
+            base + "/api/pull", json={"model": "http://127.0.0.1:9/x.gguf"}, timeout=30
+        )
+    assert name.status_code == 400 and "not a URL" in name.json()["error"]
+    assert private.status_code == 400 and set(private.json()) == {"error"}
+    assert "127.0.0.1" in private.json()["error"]

@@ -25,25 +25,35 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from sluice.core.backend import LoadOptions, ResponseStream
-from sluice.core.errors import InvalidRequest, as_sluice_error
+from sluice.core.errors import DownloadFailed, InvalidRequest, as_sluice_error
 from sluice.core.events import ErrorEvent
 from sluice.core.model import ModelSpec
 from sluice.core.request import SamplerDefaults
-from sluice.dialects.ollama.format import NDJSON, OllamaFormatter, error_line, error_response
+from sluice.dialects.ollama.format import (
+    NDJSON,
+    OllamaFormatter,
+    dumps_line,
+    error_line,
+    error_response,
+)
 from sluice.dialects.ollama.schema import (
     ChatRequest,
     EmbedRequest,
     GenerateRequest,
+    PullRequest,
     ShowRequest,
     parse,
 )
@@ -60,6 +70,8 @@ from sluice.upstream.backend import slot_header
 # The Ollama API version sluice answers like (/api/version): clients compare it
 # against the minimum they need (VS Code Copilot's Ollama provider wants >= 0.6.4).
 OLLAMA_API_VERSION = "0.12.6"
+# How often a pull's progress line may come (while bytes arrive).
+PULL_PROGRESS_SECONDS = 0.5
 
 Wire = ChatRequest | GenerateRequest
 
@@ -396,3 +408,82 @@ async def embed(request: Request) -> Response:
 @errors_as(error_response)
 async def embeddings_legacy(request: Request) -> Response:
     return await _embed(request, legacy=True)
+
+
+# -- pull ------------------------------------------------------------------------------------
+
+
+@errors_as(error_response)
+async def pull(request: Request) -> Response:
+    """``POST /api/pull`` of a GGUF file's URL, over the server's downloads: NDJSON
+    progress (``total`` / ``completed`` bytes) then ``success``. Ollama's registry
+    names are not URLs: a 400 that says what to send instead."""
+    state = server_state(request)
+    raw = await read_request_body(request, state.settings.max_body_bytes, lambda: state.draining)
+    if raw is None:
+        return Response(status_code=CLIENT_GONE)
+    body: PullRequest = parse(_json_object(raw, state), PullRequest)
+    url = body.model_name()
+    if urlsplit(url).scheme.lower() not in ("http", "https"):
+        raise InvalidRequest(
+            f"'{url}' is not a URL: sluice pulls a model from the URL of a GGUF file "
+            "(e.g. https://huggingface.co/<repo>/resolve/main/<file>.gguf); Ollama's "
+            "registry names are not supported.",
+            param="model",
+        )
+    try:
+        job = await state.downloads.start(url)
+    except InvalidRequest as exc:  # the manager names the field "url"; here it is "model"
+        if exc.param == "url":
+            exc.param = "model"
+        raise
+
+    def outcome() -> dict[str, Any]:
+        if job.status in ("completed", "already_downloaded"):
+            return {"status": "success"}
+        return {"error": job.error.message if job.error else f"the download is {job.status}"}
+
+    async def lines() -> Any:
+        yield dumps_line({"status": "pulling manifest"})
+        last: tuple[int, int | None] | None = None
+        while True:
+            done = job.finished
+            progress = (job.downloaded_bytes, job.total_size_bytes)
+            if progress != last and job.total_size_bytes is not None:
+                last = progress
+                yield dumps_line(
+                    {
+                        "status": f"pulling {job.model}",
+                        "digest": f"sha256:{job.sha256 or job.id}",
+                        "total": job.total_size_bytes,
+                        "completed": job.downloaded_bytes,
+                    }
+                )
+            if done:
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(job.wait(), PULL_PROGRESS_SECONDS)
+        yield dumps_line(outcome())
+
+    async def fold() -> dict[str, Any]:
+        await job.wait()
+        answer = outcome()
+        if "error" in answer:
+            raise DownloadFailed(answer["error"])
+        return answer
+
+    async def nothing() -> None:
+        return None
+
+    return await respond(
+        request,
+        state.settings,
+        stream=body.stream,
+        frames=lines,
+        fold=fold,
+        close=nothing,
+        render_error=error_response,
+        ping=None,
+        failure_frame=error_line,
+        content_type=NDJSON,
+    )

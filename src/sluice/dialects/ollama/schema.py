@@ -225,6 +225,19 @@ class EmbedRequest(_KeepAlive):
         return [self.input] if isinstance(self.input, str) else list(self.input)
 
 
+class PullRequest(_Wire):
+    model: str | None = None
+    name: str | None = None  # the older spelling
+    stream: bool = True
+    insecure: bool = False  # accepted; TLS is checked all the same
+
+    def model_name(self) -> str:
+        name = self.model or self.name
+        if not name:
+            raise InvalidRequest("'model' is required", param="model")
+        return name
+
+
 class ShowRequest(_Wire):
     model: str | None = None
     name: str | None = None  # the older spelling
