@@ -29,6 +29,7 @@ from typing import Any
 
 from sluice.core.events import TokenLogprob, TopLogprob
 from sluice.core.request import SamplingParams
+from sluice.engine.embed_batch import EmbedBatcher
 from sluice.engine.runner import BatchEntry, DecodeError, ModelInfo
 
 EOS = object()
@@ -79,7 +80,8 @@ class ScriptedRunner:
     max_piece_bytes: int = 64
     min_prefill_chunk: int = 1
     state_bytes_per_token: int = 4  # size of a saved state, like a real KV's (>= 4)
-    embedders: int = 0  # embedding contexts made (new_embedder)
+    embedders: list[FakeEmbedder] = field(default_factory=list)  # made by new_embedder
+    embed_delay: float = 0.0  # seconds each embedding decode takes
 
     def __post_init__(self) -> None:
         self.info = ModelInfo(
@@ -215,8 +217,9 @@ class ScriptedRunner:
         return TokenLogprob(text, token, -0.5, tuple(piece), top)
 
     def new_embedder(self, n_ctx: int) -> FakeEmbedder:
-        self.embedders += 1
-        return FakeEmbedder(n_ctx=min(n_ctx, self.n_ctx_seq))
+        embedder = FakeEmbedder(n_ctx=min(n_ctx, self.n_ctx_seq), decode_delay=self.embed_delay)
+        self.embedders.append(embedder)
+        return embedder
 
     def close(self) -> None:
         self.closed = True
@@ -229,17 +232,26 @@ class ScriptedRunner:
 
 @dataclass
 class FakeEmbedder:
-    """Deterministic unit vectors from the token ids (a token's count per bucket)."""
+    """Deterministic unit vectors from the token ids (a token's count per bucket),
+    through the real :class:`EmbedBatcher` (``batches``: inputs per decode)."""
 
     n_ctx: int
     n_embd: int = 8
     pooling: str = "mean"
-    batches: list[int] = field(default_factory=list)  # inputs per embed() call
+    decode_delay: float = 0.0
+    batches: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._batcher = EmbedBatcher(self._decode, max_tokens=self.n_ctx, max_seqs=64)
 
     def embed(self, inputs: Any) -> list[list[float]]:
-        self.batches.append(len(inputs))
+        return self._batcher.embed(inputs)
+
+    def _decode(self, group: list[list[int]]) -> list[list[float]]:
+        self.batches.append(len(group))
+        time.sleep(self.decode_delay)
         out = []
-        for tokens in inputs:
+        for tokens in group:
             assert 0 < len(tokens) <= self.n_ctx, len(tokens)
             v = [0.0] * self.n_embd
             for t in tokens:

@@ -8,8 +8,9 @@ mean``). Several inputs go through one ``llama_decode``, one sequence each, as m
 as fit ``n_batch`` tokens; each sequence's pooled vector is read with
 ``llama_get_embeddings_seq`` and L2-normalized, like the peers.
 
-It runs on a worker thread, one batch at a time (a lock): never on the engine
-thread, so generation goes on beside it.
+It runs on worker threads, one decode at a time, the inputs of concurrent requests
+decoded together (``engine/embed_batch.py``): never on the engine thread, so
+generation goes on beside it.
 
 Example::
 
@@ -21,13 +22,13 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import threading
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from sluice.core.errors import ModelLoadFailed
+from sluice.engine.embed_batch import EmbedBatcher
 from sluice.engine.llama_runner import LlamaRunner, _llama
 from sluice.engine.runner import DecodeError
 
@@ -48,7 +49,7 @@ class LlamaEmbedder:
         self.pooling = pooling  # "mean", or what the GGUF declares
         self._mem = self._L.llama_get_memory(ctx)
         self._batch = self._L.llama_batch_init(n_ctx, 0, 1)
-        self._lock = threading.Lock()
+        self._batcher = EmbedBatcher(self._decode, max_tokens=n_ctx, max_seqs=_MAX_SEQS)
 
     @classmethod
     def create(cls, runner: LlamaRunner, n_ctx: int, threads: int) -> LlamaEmbedder:
@@ -80,20 +81,8 @@ class LlamaEmbedder:
 
     def embed(self, inputs: Sequence[list[int]]) -> list[list[float]]:
         """One L2-normalized vector per input (token ids; each 1 to ``n_ctx`` of them,
-        which the caller checked)."""
-        out: list[list[float]] = []
-        with self._lock:
-            group: list[list[int]] = []
-            used = 0
-            for tokens in inputs:
-                if group and (used + len(tokens) > self.n_ctx or len(group) == _MAX_SEQS):
-                    out.extend(self._decode(group))
-                    group, used = [], 0
-                group.append(tokens)
-                used += len(tokens)
-            if group:
-                out.extend(self._decode(group))
-        return out
+        which the caller checked); concurrent calls share decodes (``EmbedBatcher``)."""
+        return self._batcher.embed(inputs)
 
     def _decode(self, group: list[list[int]]) -> list[list[float]]:
         L, batch = self._L, self._batch
@@ -125,8 +114,8 @@ class LlamaEmbedder:
         return vectors
 
     def close(self) -> None:
-        with self._lock:
-            if self._ctx:
-                self._L.llama_batch_free(self._batch)
-                self._L.llama_free(self._ctx)
-                self._ctx = None
+        """Free the context (the model's users have finished: ``LocalModel.close``)."""
+        if self._ctx:
+            self._L.llama_batch_free(self._batch)
+            self._L.llama_free(self._ctx)
+            self._ctx = None

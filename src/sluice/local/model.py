@@ -241,7 +241,8 @@ class LocalModel:
         self, inputs: list[str] | list[list[int]], *, truncate: bool, dimensions: int | None
     ) -> Embeddings:
         """Embed on the model's pooled context (made on first use, beside the
-        generation context): tokenized and decoded on a worker thread."""
+        generation context): tokenized and decoded on a thread of the default
+        executor, concurrent requests decoded together (``EmbedBatcher``)."""
 
         def run() -> Embeddings:
             with self._in_use():
@@ -260,7 +261,9 @@ class LocalModel:
                 vectors = embedder.embed(batch)
             return Embeddings([shorten(v, dimensions) for v in vectors], sum(len(t) for t in batch))
 
-        return await self.offload.run(run)
+        # Not on the prepare workers: a long batch would hold one while chat requests
+        # wait to be prepared, and concurrent requests must reach the batcher together.
+        return await asyncio.to_thread(run)
 
     def _embed_tokens(self, value: str | list[int]) -> list[int]:
         if isinstance(value, str):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import math
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -102,4 +103,21 @@ def test_ollama_embed_and_the_legacy_endpoint() -> None:
     assert empty.status_code == 400 and set(empty.json()) == {"error"}
     # One pooled context for the model, made on first use, every input of a request
     # in one batch.
-    assert runner.embedders == 1
+    assert len(runner.embedders) == 1
+
+
+def test_concurrent_requests_share_decodes() -> None:
+    runner = ScriptedRunner(embed_delay=0.2)
+    with scripted_server(runner) as base:
+        post(base, "/v1/embeddings", input="warm up")  # the pooled context exists now
+        texts = [[f"text {r} {i}" for i in range(4)] for r in range(6)]
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(lambda t: post(base, "/v1/embeddings", input=t), texts))
+        alone = [post(base, "/v1/embeddings", input=t).json() for t in texts]
+    assert all(a.status_code == 200 for a in answers)
+    # The same vectors, in each request's order, as when asked one at a time...
+    assert [a.json()["data"] for a in answers] == [a["data"] for a in alone]
+    # ...but while the first decode ran the others queued, and went together.
+    (embedder,) = runner.embedders
+    concurrent = embedder.batches[1 : len(embedder.batches) - len(texts)]
+    assert sum(concurrent) == 24 and len(concurrent) < 6 and max(concurrent) > 4
