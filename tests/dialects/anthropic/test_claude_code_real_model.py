@@ -15,13 +15,11 @@ schemas carry ``$schema``. ``--bare`` keeps three tools (Bash, Edit, Read), a pr
 of about 1,100 tokens; the default set (~22K tokens) does not fit the context.
 ``claude -p /context`` asks ``/v1/messages/count_tokens`` and prints the answers.
 
-Claude Code sends no ``temperature``, so sluice samples at Anthropic's default
-(1.0, no top-p or top-k); on this prompt SmolLM2-135M then rambles in about one
-answer in five until the context is full (``model_context_window_exceeded``, minutes
-here), and Claude Code fails (its follow-up request no longer fits). The answering
-test therefore adds ``temperature: 0`` with Claude Code's own
-``CLAUDE_CODE_EXTRA_BODY``: the rest of the request is Claude Code's, and the greedy
-answer ends in a few tokens.
+Claude Code sends no ``temperature``, so sluice samples with the model's defaults
+(llama.cpp's: temperature 0.8, top-k 40, top-p 0.95, min-p 0.05). At Anthropic's
+own default (1.0 over the whole vocabulary, which sluice used before) SmolLM2-135M
+rambled on this prompt in about one answer in five until the context was full;
+with the defaults, eight runs in a row ended by themselves in 3-6 s.
 """
 
 from __future__ import annotations
@@ -146,14 +144,16 @@ def test_claude_code_answers_a_question(claude: str, cc_base: str, tmp_path: Pat
         cc_base,
         tmp_path,
         "What is the capital of France? Answer in one word.",
-        {"CLAUDE_CODE_EXTRA_BODY": json.dumps({"temperature": 0})},
     )
     result = _result(code, out, err)
     report = f"--- stdout\n{out}\n--- stderr\n{err}"
     # SmolLM2-135M is not asked to be right, only to answer (text, ended by itself).
     assert isinstance(result.get("result"), str) and result["result"].strip(), report
     assert result.get("stop_reason") == "end_turn", report
-    assert result.get("num_turns") == 1, report
+    # Sampled, the model may call one of the three tools first; Claude Code then
+    # runs it and asks again: more turns, each answered by sluice.
+    turns = result.get("num_turns")
+    assert isinstance(turns, int) and turns >= 1, report
     usage = result.get("usage") or {}
     assert usage.get("output_tokens", 0) > 0, report
     # The prompt (system, three tools, the question) as sluice counted it.
@@ -161,11 +161,11 @@ def test_claude_code_answers_a_question(claude: str, cc_base: str, tmp_path: Pat
     assert 500 < prompt_tokens < 8192, report
 
     # It was sluice that answered, with the key Claude Code sent (x-api-key): one
-    # generation, ended well, and the key counted Claude Code's request besides the
-    # /metrics request of `after`.
+    # generation a turn, each ended well, and the key counted Claude Code's requests
+    # besides the /metrics request of `after`.
     wait_idle(cc_base, within=10)
     after = _metrics(cc_base)
-    assert after["ok"] - before["ok"] == 1, (before, after, report)
+    assert after["ok"] - before["ok"] == turns, (before, after, report)
     assert after["error"] == before["error"], (before, after, report)
     assert after["keyed"] - before["keyed"] >= 2, (before, after, report)
 
