@@ -54,6 +54,11 @@ class FakeModel:
     def load_config(self) -> dict[str, Any]:
         return {"context_length": self.options.ctx or 4096, "parallel": self.options.parallel or 4}
 
+    extra = 0  # bytes taken since the load (a prompt cache, an embedding context)
+
+    def extra_bytes(self) -> int:
+        return self.extra
+
 
 class FakeLoader:
     def __init__(self) -> None:
@@ -685,3 +690,18 @@ def test_mem_available_reads_proc_meminfo(tmp_path: Path) -> None:
     meminfo.write_text("MemTotal:  8000 kB\n")
     assert mem_available(meminfo) is None
     assert mem_available(tmp_path / "missing") is None
+
+
+async def test_memory_a_model_took_since_its_load_counts_in_the_budget(
+    make: Callable[..., ModelRegistry], loader: FakeLoader
+) -> None:
+    registry = make(budget_bytes=3 * GiB)  # each model's estimate: 1 GiB
+    await use(registry, "alpha")
+    await use(registry, "beta")
+    # alpha's prompt cache and embedding context grew to 1.5 GiB: 3.5 GiB held, so
+    # gamma needs room, and alpha (least recently used) goes.
+    loader.models[0].extra = 3 * GiB // 2
+    assert registry.status()[0].estimate_bytes == GiB + 3 * GiB // 2
+    await registry.acquire("gamma")
+    alpha, beta = loader.models[:2]
+    assert alpha.closed.is_set() and not beta.closed.is_set()

@@ -238,6 +238,7 @@ class FakeEmbedder:
     n_ctx: int
     n_embd: int = 8
     pooling: str = "mean"
+    bytes: int = 1 << 20
     decode_delay: float = 0.0
     batches: list[int] = field(default_factory=list)
 

@@ -56,6 +56,7 @@ class Embedder(Protocol):
     n_ctx: int  # tokens one input may have
     n_embd: int  # the vectors' dimension
     pooling: str  # mean | cls | last | ...
+    bytes: int  # the memory it holds (its KV cells and its batch's buffers), estimated
 
     def embed(self, inputs: Sequence[list[int]]) -> list[list[float]]:
         """One L2-normalized vector per input (token ids)."""

@@ -352,7 +352,20 @@ class LocalModel:
                 "bytes": stats.prompt_cache_bytes,
                 "restores": stats.prompt_cache_hits,
             },
+            "embedding": self._embedding_health(),
         }
+
+    def _embedding_health(self) -> dict[str, Any] | None:
+        """The pooled context, once the model was asked to embed (None before)."""
+        embedder = self._embedder
+        if embedder is None:
+            return None
+        return {"pooling": embedder.pooling, "n_ctx": embedder.n_ctx, "bytes": embedder.bytes}
+
+    def extra_bytes(self) -> int:
+        """The prompt cache's states and the embedding context, when there is one."""
+        embedder = self._embedder
+        return self.engine.stats.prompt_cache_bytes + (embedder.bytes if embedder else 0)
 
     def load_config(self) -> dict[str, Any]:
         """What this instance was loaded with (LM Studio's ``loaded_instances[].config``)."""

@@ -65,6 +65,10 @@ class LoadedModel(Backend, Protocol):
     def load_config(self) -> dict[str, Any]:
         """The effective configuration for listings, e.g. ``{"context_length": 4096}``."""
 
+    def extra_bytes(self) -> int:
+        """Memory it holds now beyond its load's estimate: the RAM prompt cache's
+        states, an embedding context made since."""
+
 
 # Both get the options with the spec's values filled in (None: the server's setting).
 # A loader blocks, and calls progress(0..1) from its own thread.
@@ -194,10 +198,13 @@ class _Entry:
         return self.instance.last_used if self.instance is not None else 0.0
 
     def held(self) -> int:
-        """Bytes this model holds or is about to hold."""
+        """Bytes this model holds or is about to hold: its load's estimate, and what it
+        took since (prompt cache, embedding context), so the guard counts both."""
         if self.loading is not None:
             return self.loading.estimate
-        return self.instance.estimate if self.instance is not None else 0
+        if self.instance is None:
+            return 0
+        return self.instance.estimate + self.instance.model.extra_bytes()
 
     def activity(self) -> str:
         if self.loading is not None:

@@ -121,3 +121,13 @@ def test_concurrent_requests_share_decodes() -> None:
     (embedder,) = runner.embedders
     concurrent = embedder.batches[1 : len(embedder.batches) - len(texts)]
     assert sum(concurrent) == 24 and len(concurrent) < 6 and max(concurrent) > 4
+
+
+def test_health_shows_the_embedding_context_once_made() -> None:
+    runner = ScriptedRunner()
+    with scripted_server(runner) as base:
+        before = httpx.get(base + "/health", timeout=30).json()["models"]["scripted"]
+        post(base, "/v1/embeddings", input="hello")
+        after = httpx.get(base + "/health", timeout=30).json()["models"]["scripted"]
+    assert before["embedding"] is None
+    assert after["embedding"] == {"pooling": "mean", "n_ctx": runner.n_ctx_seq, "bytes": 1 << 20}
