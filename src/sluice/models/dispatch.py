@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from sluice.core.backend import Backend, LoadOptions, Progress, ResponseStream
+from sluice.core.backend import Backend, Embeddings, LoadOptions, Progress, ResponseStream
 from sluice.core.errors import SluiceError, spec_for
 from sluice.core.request import GenerationRequest
 from sluice.metrics import Metrics, metered
@@ -85,6 +85,22 @@ class SlotLease:
             meter.finish(error=True)
             raise
         return metered(stream, meter)
+
+    async def embed(
+        self, inputs: list[str] | list[list[int]], *, truncate: bool, dimensions: int | None
+    ) -> Embeddings:
+        """The backend's embeddings, metered like a generation (no tokens out)."""
+        meter = self._metrics.slot(self.slot, self._kind).request()
+        try:
+            result = await self.backend.embed(inputs, truncate=truncate, dimensions=dimensions)
+        except SluiceError as exc:
+            meter.finish(error=spec_for(exc).status >= 500)
+            raise
+        except BaseException:
+            meter.finish(error=True)
+            raise
+        meter.finish(prompt_tokens=result.prompt_tokens, completion_tokens=0)
+        return result
 
     def release(self) -> None:
         if self._release is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import math
+import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -131,3 +132,24 @@ def test_health_shows_the_embedding_context_once_made() -> None:
         after = httpx.get(base + "/health", timeout=30).json()["models"]["scripted"]
     assert before["embedding"] is None
     assert after["embedding"] == {"pooling": "mean", "n_ctx": runner.n_ctx_seq, "bytes": 1 << 20}
+
+
+def test_embedding_requests_are_metered_per_slot() -> None:
+    with scripted_server(ScriptedRunner()) as base:
+
+        def counts() -> tuple[float, float]:
+            text = httpx.get(base + "/metrics", timeout=30).text
+            ok = re.search(
+                r'^sluice_requests_total\{outcome="ok",slot="scripted"\} (\S+)$', text, re.MULTILINE
+            )
+            tokens = re.search(
+                r'^sluice_tokens_total\{direction="in",slot="scripted"\} (\S+)$', text, re.MULTILINE
+            )
+            return (float(ok.group(1)) if ok else 0.0, float(tokens.group(1)) if tokens else 0.0)
+
+        before = counts()
+        used = post(base, "/v1/embeddings", input=["hello there", "goodbye"]).json()["usage"]
+        post(base, "/api/embed", input="hello there")
+        after = counts()
+    assert after[0] - before[0] == 2
+    assert after[1] - before[1] >= used["prompt_tokens"] > 0

@@ -381,7 +381,7 @@ async def _embed(request: Request, legacy: bool) -> Response:
     inputs = check_embed_inputs([body.prompt] if legacy else body.input_list())
     lease = await state.dispatcher.acquire(name, ttl=body.ttl())
     try:
-        result = await lease.backend.embed(
+        result = await lease.embed(
             inputs, truncate=body.truncate, dimensions=body.dimensions
         )
     finally:

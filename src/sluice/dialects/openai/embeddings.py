@@ -98,7 +98,7 @@ async def embeddings(request: Request) -> Response:
     inputs = body.inputs()
     lease = await state.dispatcher.acquire(body.model)
     try:
-        result = await lease.backend.embed(inputs, truncate=False, dimensions=body.dimensions)
+        result = await lease.embed(inputs, truncate=False, dimensions=body.dimensions)
     finally:
         lease.release()
     return json_response(embeddings_body(body.model or lease.slot, result, body.encoding_format))
