@@ -23,15 +23,16 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from sluice.core.backend import Backend, Embeddings, LoadOptions, Progress, ResponseStream
 from sluice.core.errors import SluiceError, spec_for
 from sluice.core.request import GenerationRequest
-from sluice.metrics import Metrics, metered
+from sluice.metrics import Metrics, RequestMeter, metered
 from sluice.models.registry import ModelRegistry
 from sluice.upstream.backend import UpstreamModel, UpstreamSlot
 
@@ -74,9 +75,25 @@ class SlotLease:
         self.load_seconds = load_seconds
 
     async def open(self, request: GenerationRequest) -> ResponseStream:
+        with self._meter() as meter:
+            stream = await self.backend.open(request)
+        return metered(stream, meter)
+
+    async def embed(
+        self, inputs: list[str] | list[list[int]], *, truncate: bool, dimensions: int | None
+    ) -> Embeddings:
+        """The backend's embeddings, metered like a generation (no tokens out)."""
+        with self._meter() as meter:
+            result = await self.backend.embed(inputs, truncate=truncate, dimensions=dimensions)
+        meter.finish(prompt_tokens=result.prompt_tokens, completion_tokens=0)
+        return result
+
+    @contextlib.contextmanager
+    def _meter(self) -> Iterator[RequestMeter]:
+        """A request meter for this slot, finished as failed if the body raises."""
         meter = self._metrics.slot(self.slot, self._kind).request()
         try:
-            stream = await self.backend.open(request)
+            yield meter
         except SluiceError as exc:
             # A refused request (4xx) is the client's; a failing slot (5xx) is the slot's.
             meter.finish(error=spec_for(exc).status >= 500)
@@ -84,23 +101,13 @@ class SlotLease:
         except BaseException:
             meter.finish(error=True)
             raise
-        return metered(stream, meter)
 
-    async def embed(
-        self, inputs: list[str] | list[list[int]], *, truncate: bool, dimensions: int | None
-    ) -> Embeddings:
-        """The backend's embeddings, metered like a generation (no tokens out)."""
-        meter = self._metrics.slot(self.slot, self._kind).request()
+    async def close(self, stream: ResponseStream) -> None:
+        """Close ``stream`` (aborting what still runs) and release the slot."""
         try:
-            result = await self.backend.embed(inputs, truncate=truncate, dimensions=dimensions)
-        except SluiceError as exc:
-            meter.finish(error=spec_for(exc).status >= 500)
-            raise
-        except BaseException:
-            meter.finish(error=True)
-            raise
-        meter.finish(prompt_tokens=result.prompt_tokens, completion_tokens=0)
-        return result
+            await stream.aclose()
+        finally:
+            self.release()
 
     def release(self) -> None:
         if self._release is not None:

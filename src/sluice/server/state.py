@@ -15,6 +15,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from starlette.requests import Request
 
@@ -31,7 +32,8 @@ from sluice.models.dispatch import Dispatcher
 from sluice.models.downloads import DownloadManager
 from sluice.models.gguf import estimate_memory, read_gguf_info
 from sluice.models.registry import ModelRegistry
-from sluice.server.jsonbody import BodyLimits
+from sluice.server.body import read_request_body
+from sluice.server.jsonbody import BodyLimits, parse_json_body
 from sluice.server.runs import Runs
 from sluice.store import ConversationStore
 from sluice.tools.mcp import McpManager
@@ -176,3 +178,16 @@ def server_state(raw_request: Request) -> ServerState:
     """The state of the app serving ``raw_request`` (set by the lifespan)."""
     state: ServerState = raw_request.app.state.sluice
     return state
+
+
+async def read_json(raw_request: Request) -> dict[str, Any] | None:
+    """The request's body as a JSON object: read within ``--max-body-bytes`` and parsed
+    on a worker (:class:`InvalidRequest` naming what is wrong); None if the client left
+    first."""
+    state = server_state(raw_request)
+    raw = await read_request_body(
+        raw_request, state.settings.max_body_bytes, lambda: state.draining
+    )
+    if raw is None:
+        return None
+    return await state.offload.run(lambda: parse_json_body(raw, state.limits))

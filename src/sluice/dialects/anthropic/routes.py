@@ -45,11 +45,10 @@ from sluice.dialects.anthropic.format import (
 from sluice.dialects.anthropic.schema import CountTokensRequest, MessagesRequest, parse
 from sluice.metrics import AnthropicEventTap
 from sluice.models.dispatch import UpstreamTarget
-from sluice.server.body import read_request_body
-from sluice.server.jsonbody import check_body_limits, parse_json_body
+from sluice.server.jsonbody import check_body_limits
 from sluice.server.respond import CLIENT_GONE, errors_as, forward, respond
 from sluice.server.sse import json_response, run_until_disconnect, sse_stream
-from sluice.server.state import ServerState, server_state
+from sluice.server.state import ServerState, read_json, server_state
 from sluice.upstream.backend import slot_header
 
 log = logging.getLogger("sluice.api")
@@ -59,13 +58,6 @@ W = TypeVar("W", MessagesRequest, CountTokensRequest)
 NATIVE = "anthropic"  # an upstream's native_apis entry for this dialect
 # Request headers a native upstream needs from the client (auth is the slot's own).
 _FORWARDED = ("anthropic-version", "anthropic-beta", "accept")
-
-
-async def _body(request: Request, state: ServerState) -> dict[str, Any] | None:
-    raw = await read_request_body(request, state.settings.max_body_bytes, lambda: state.draining)
-    if raw is None:
-        return None
-    return await state.offload.run(lambda: parse_json_body(raw, state.limits))
 
 
 def _native(state: ServerState, data: dict[str, Any]) -> UpstreamTarget | None:
@@ -89,7 +81,7 @@ async def _read(
     """The body as ``wire`` and its neutral request, or the answer already: a native
     upstream's (passed through to ``upstream_path``), or nobody's (the client left)."""
     state = server_state(request)
-    data = await _body(request, state)
+    data = await read_json(request)
     if data is None:
         return Response(status_code=CLIENT_GONE)
     target = _native(state, data)
@@ -117,12 +109,6 @@ async def messages(request: Request) -> Response:
     formatter = MessagesFormatter(model=body.model, max_tokens=body.max_tokens)
     headers = {"x-sluice-slot": slot_header(stream.meta.slot, stream.meta.replica)}
 
-    async def close() -> None:
-        try:
-            await stream.aclose()
-        finally:
-            lease.release()
-
     async def fold() -> dict[str, Any]:
         async for event in stream:
             if isinstance(event, ErrorEvent):
@@ -137,7 +123,7 @@ async def messages(request: Request) -> Response:
         stream=body.stream,
         frames=lambda: sse_stream(stream, formatter),
         fold=fold,
-        close=close,
+        close=lambda: lease.close(stream),
         headers=lambda: headers,
         render_error=error_response,
         ping=PING,

@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import hashlib
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -64,7 +65,7 @@ from sluice.server.body import read_request_body
 from sluice.server.jsonbody import check_body_limits, check_embed_inputs, parse_json_body
 from sluice.server.respond import CLIENT_GONE, errors_as, respond
 from sluice.server.sse import json_response
-from sluice.server.state import ServerState, server_state
+from sluice.server.state import ServerState, read_json, server_state
 from sluice.upstream.backend import slot_header
 
 # The Ollama API version sluice answers like (/api/version): clients compare it
@@ -83,7 +84,7 @@ async def _read(request: Request, wire: type[Wire]) -> Wire | None:
         return None
 
     def validate() -> Wire:
-        data = _json_object(raw, state)
+        data = parse_json_body(raw, state.limits)  # one hop: parsed and validated
         options = data.get("options")
         stop = options.get("stop") if isinstance(options, dict) else None
         check_body_limits({"messages": data.get("messages"), "stop": stop}, state.limits)
@@ -98,13 +99,6 @@ async def _read(request: Request, wire: type[Wire]) -> Wire | None:
             param="images",
         )
     return body
-
-
-def _json_object(raw: bytes, state: ServerState) -> dict[str, Any]:
-    data = parse_json_body(raw, state.limits)
-    if not isinstance(data, dict):
-        raise InvalidRequest("The body must be a JSON object")
-    return data
 
 
 def _empty(body: Wire) -> bool:
@@ -161,13 +155,7 @@ async def _answer(request: Request, wire: type[Wire]) -> Response:
     )
     headers = {"x-sluice-slot": slot_header(stream.meta.slot, stream.meta.replica)}
 
-    async def close() -> None:
-        try:
-            await stream.aclose()
-        finally:
-            lease.release()
-
-    async def lines() -> Any:
+    async def lines() -> AsyncIterator[bytes]:
         async for event in stream:
             if isinstance(event, ErrorEvent):
                 yield error_line(event.error)
@@ -184,14 +172,29 @@ async def _answer(request: Request, wire: type[Wire]) -> Response:
             formatter.lines(event)
         return formatter.body()
 
+    return await _respond(
+        request, body.stream, lines, fold, lambda: lease.close(stream), lambda: headers
+    )
+
+
+async def _respond(
+    request: Request,
+    stream: bool,
+    lines: Callable[[], AsyncIterator[bytes]],
+    fold: Callable[[], Awaitable[Any]],
+    close: Callable[[], Awaitable[None]],
+    headers: Callable[[], Mapping[str, str]] = dict,
+) -> Response:
+    """``respond`` in Ollama's shape: NDJSON lines (no keep-alive, which its clients
+    could not parse), ``{"error"}`` bodies and lines."""
     return await respond(
         request,
-        state.settings,
-        stream=body.stream,
+        server_state(request).settings,
+        stream=stream,
         frames=lines,
         fold=fold,
         close=close,
-        headers=lambda: headers,
+        headers=headers,
         render_error=error_response,
         ping=None,
         failure_frame=error_line,
@@ -308,10 +311,10 @@ async def ps(request: Request) -> Response:
 @errors_as(error_response)
 async def show(request: Request) -> Response:
     state = server_state(request)
-    raw = await read_request_body(request, state.settings.max_body_bytes, lambda: state.draining)
-    if raw is None:
+    data = await read_json(request)
+    if data is None:
         return Response(status_code=CLIENT_GONE)
-    body = parse(_json_object(raw, state), ShowRequest)
+    body = parse(data, ShowRequest)
     name = body.model_name().removesuffix(":latest")
     if state.dispatcher.upstream(name) is not None:
         return json_response(
@@ -373,17 +376,15 @@ async def show(request: Request) -> Response:
 async def _embed(request: Request, legacy: bool) -> Response:
     started = time.monotonic()
     state = server_state(request)
-    raw = await read_request_body(request, state.settings.max_body_bytes, lambda: state.draining)
-    if raw is None:
+    data = await read_json(request)
+    if data is None:
         return Response(status_code=CLIENT_GONE)
-    body: EmbedRequest = parse(_json_object(raw, state), EmbedRequest)
+    body: EmbedRequest = parse(data, EmbedRequest)
     name = body.model.removesuffix(":latest")
     inputs = check_embed_inputs([body.prompt] if legacy else body.input_list())
     lease = await state.dispatcher.acquire(name, ttl=body.ttl())
     try:
-        result = await lease.embed(
-            inputs, truncate=body.truncate, dimensions=body.dimensions
-        )
+        result = await lease.embed(inputs, truncate=body.truncate, dimensions=body.dimensions)
     finally:
         lease.release()
     if legacy:
@@ -419,10 +420,10 @@ async def pull(request: Request) -> Response:
     progress (``total`` / ``completed`` bytes) then ``success``. Ollama's registry
     names are not URLs: a 400 that says what to send instead."""
     state = server_state(request)
-    raw = await read_request_body(request, state.settings.max_body_bytes, lambda: state.draining)
-    if raw is None:
+    data = await read_json(request)
+    if data is None:
         return Response(status_code=CLIENT_GONE)
-    body: PullRequest = parse(_json_object(raw, state), PullRequest)
+    body: PullRequest = parse(data, PullRequest)
     url = body.model_name()
     if urlsplit(url).scheme.lower() not in ("http", "https"):
         raise InvalidRequest(
@@ -443,7 +444,7 @@ async def pull(request: Request) -> Response:
             return {"status": "success"}
         return {"error": job.error.message if job.error else f"the download is {job.status}"}
 
-    async def lines() -> Any:
+    async def lines() -> AsyncIterator[bytes]:
         yield dumps_line({"status": "pulling manifest"})
         last: tuple[int, int | None] | None = None
         while True:
@@ -472,18 +473,7 @@ async def pull(request: Request) -> Response:
             raise DownloadFailed(answer["error"])
         return answer
 
-    async def nothing() -> None:
+    async def nothing() -> None:  # the download goes on when the client leaves
         return None
 
-    return await respond(
-        request,
-        state.settings,
-        stream=body.stream,
-        frames=lines,
-        fold=fold,
-        close=nothing,
-        render_error=error_response,
-        ping=None,
-        failure_frame=error_line,
-        content_type=NDJSON,
-    )
+    return await _respond(request, body.stream, lines, fold, nothing)

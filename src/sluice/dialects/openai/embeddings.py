@@ -22,12 +22,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from sluice.core.backend import Embeddings
-from sluice.core.errors import InvalidRequest
-from sluice.server.body import read_request_body
-from sluice.server.jsonbody import check_embed_inputs, parse_json_body, validate_body
+from sluice.server.jsonbody import check_embed_inputs, validate_body
 from sluice.server.respond import CLIENT_GONE, errors_as, forward
 from sluice.server.sse import error_frame, error_response, json_response
-from sluice.server.state import ServerState, server_state
+from sluice.server.state import read_json, server_state
 
 
 class EmbeddingsRequest(BaseModel):
@@ -69,20 +67,10 @@ def embeddings_body(model: str, result: Embeddings, fmt: str) -> dict[str, Any]:
     }
 
 
-async def read_json(request: Request, state: ServerState) -> dict[str, Any] | None:
-    raw = await read_request_body(request, state.settings.max_body_bytes, lambda: state.draining)
-    if raw is None:
-        return None
-    data = await state.offload.run(lambda: parse_json_body(raw, state.limits))
-    if not isinstance(data, dict):
-        raise InvalidRequest("The body must be a JSON object")
-    return data
-
-
 @errors_as(error_response)
 async def embeddings(request: Request) -> Response:
     state = server_state(request)
-    data = await read_json(request, state)
+    data = await read_json(request)
     if data is None:
         return Response(status_code=CLIENT_GONE)
     name = data.get("model")

@@ -155,12 +155,6 @@ async def _complete(
     )
     headers = {"x-sluice-slot": slot_header(stream.meta.slot, stream.meta.replica)}
 
-    async def close() -> None:
-        try:
-            await stream.aclose()
-        finally:
-            lease.release()
-
     async def fold() -> dict[str, Any]:
         acc = Fold(stream.meta.prompt_owners)
         async for event in stream:
@@ -175,7 +169,7 @@ async def _complete(
         stream=body.stream,
         frames=lambda: sse_stream(stream, formatter),
         fold=fold,
-        close=close,
+        close=lambda: lease.close(stream),
         headers=lambda: headers,
     )
 

@@ -59,8 +59,6 @@ from sluice.dialects.responses.schema import ResponsesRequest, parse
 from sluice.metrics import ResponsesEventTap
 from sluice.models.dispatch import SlotLease, UpstreamTarget
 from sluice.server.auth import key_name
-from sluice.server.body import read_request_body
-from sluice.server.jsonbody import parse_json_body
 from sluice.server.respond import CLIENT_GONE, forward, respond
 from sluice.server.runs import Run
 from sluice.server.sse import (
@@ -70,7 +68,7 @@ from sluice.server.sse import (
     json_response,
     sse_stream,
 )
-from sluice.server.state import ServerState, server_state
+from sluice.server.state import ServerState, read_json, server_state
 from sluice.store import NewMessage, StoredResponse
 from sluice.store.recorder import history_messages
 from sluice.upstream.backend import slot_header
@@ -275,10 +273,9 @@ async def _generate(
 
 async def create(request: Request) -> Response:
     state = server_state(request)
-    raw = await read_request_body(request, state.settings.max_body_bytes, lambda: state.draining)
-    if raw is None:
+    data = await read_json(request)
+    if data is None:
         return Response(status_code=CLIENT_GONE)
-    data = await state.offload.run(lambda: parse_json_body(raw, state.limits))
     target = _native(state, data)
     if target is not None:
         return await _passthrough(request, target, data)
