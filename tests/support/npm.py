@@ -65,3 +65,27 @@ def npm_tool(package: str, version: str, command: str, folder: str) -> str:
         pytest.skip(f"the installed {command} does not run: {ran.stdout}{ran.stderr}")
     assert version in ran.stdout, ran.stdout
     return str(entry)
+
+
+def run_tool(
+    cmd: list[str], *, cwd: Path, env: dict[str, str], timeout: float
+) -> tuple[int, str, str]:
+    """Run an installed client to the end (stdin closed): (exit, stdout, stderr); a run
+    that outlasts ``timeout`` fails the test with what it printed so far."""
+    try:
+        done = subprocess.run(
+            cmd,
+            check=False,
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr
+        name = Path(cmd[0]).name
+        pytest.fail(f"{name} did not finish in {timeout} s\n--- stdout\n{out}\n--- stderr\n{err}")
+    return done.returncode, done.stdout, done.stderr

@@ -217,3 +217,32 @@ def mcp_http_server(env: dict[str, str] | None = None) -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def gateway_in_front(url: str, *, native_apis: tuple[str, ...] = ()) -> Iterator[str]:
+    """A second ``sluice serve`` whose only models are ``url``'s ``smollm2``: slot ``up``
+    (alias ``up-smollm2``, translated from OpenAI chat) and, with ``native_apis``, slot
+    ``native`` (alias ``native-smollm2``) that speaks those dialects itself."""
+    lines = [
+        "[[upstreams]]",
+        'name = "up"',
+        f'url = "{url}"',
+        'models = ["smollm2"]',
+        'aliases = { "up-smollm2" = "smollm2" }',
+    ]
+    if native_apis:
+        lines += [
+            "[[upstreams]]",
+            'name = "native"',
+            f'url = "{url}"',
+            'models = ["smollm2"]',
+            'aliases = { "native-smollm2" = "smollm2" }',
+            f"native_apis = {json.dumps(list(native_apis))}",
+        ]
+    with tempfile.TemporaryDirectory() as tmp:
+        config = os.path.join(tmp, "sluice.toml")
+        with open(config, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        with serve_process("--config", config, "--log-level", "warning", "--threads", "1") as base:
+            yield base

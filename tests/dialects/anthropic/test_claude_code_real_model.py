@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.npm import npm_tool
+from tests.support.npm import npm_tool, run_tool
 from tests.support.real_server import QUIET, outcome_counts, wait_idle
 from tests.support.servers import serve_process
 
@@ -99,24 +98,7 @@ def _run_claude(
         "--output-format",
         "json",
     ]
-    try:
-        done = subprocess.run(
-            cmd,
-            check=False,
-            cwd=work,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT,
-        )
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout
-        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr
-        pytest.fail(
-            f"claude -p did not finish in {TIMEOUT} s\n--- stdout\n{out}\n--- stderr\n{err}"
-        )
-    return done.returncode, done.stdout, done.stderr
+    return run_tool(cmd, cwd=work, env=env, timeout=TIMEOUT)
 
 
 def _result(code: int, out: str, err: str) -> dict[str, Any]:

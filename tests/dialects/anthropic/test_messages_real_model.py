@@ -7,18 +7,16 @@ by a relay and compared)."""
 from __future__ import annotations
 
 import json
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import anthropic
 import httpx
 import pytest
 
-from tests.support.real_server import QUIET, wait_idle
+from tests.support.real_server import wait_idle
 from tests.support.relay import Relay
-from tests.support.servers import serve_process
+from tests.support.servers import gateway_in_front
 
 pytestmark = pytest.mark.integration
 
@@ -44,23 +42,8 @@ def relay(base: str) -> Iterator[Relay]:
 @pytest.fixture(scope="module")
 def gateway(relay: Relay) -> Iterator[str]:
     """A sluice whose only models are the session server's, through two slots."""
-    with tempfile.TemporaryDirectory() as tmp:
-        config = Path(tmp) / "sluice.toml"
-        config.write_text(
-            "[[upstreams]]\n"
-            'name = "up"\n'
-            f'url = "{relay.url}"\n'
-            'models = ["smollm2"]\n'
-            'aliases = { "up-smollm2" = "smollm2" }\n'
-            "[[upstreams]]\n"
-            'name = "native"\n'
-            f'url = "{relay.url}"\n'
-            'models = ["smollm2"]\n'
-            'aliases = { "native-smollm2" = "smollm2" }\n'
-            'native_apis = ["anthropic"]\n'
-        )
-        with serve_process("--config", str(config), *QUIET) as url:
-            yield url
+    with gateway_in_front(relay.url, native_apis=("anthropic",)) as url:
+        yield url
 
 
 # The same tests on each backend: the model name picks it.

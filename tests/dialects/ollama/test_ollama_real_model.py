@@ -5,15 +5,13 @@ translated from OpenAI chat)."""
 from __future__ import annotations
 
 import json
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 
 import ollama
 import pytest
 
-from tests.support.real_server import QUIET, wait_idle
-from tests.support.servers import serve_process
+from tests.support.real_server import wait_idle
+from tests.support.servers import gateway_in_front
 
 pytestmark = pytest.mark.integration
 
@@ -29,14 +27,8 @@ PERSON = {
 
 @pytest.fixture(scope="module")
 def gateway(base: str) -> Iterator[str]:
-    with tempfile.TemporaryDirectory() as tmp:
-        config = Path(tmp) / "sluice.toml"
-        config.write_text(
-            f'[[upstreams]]\nname = "up"\nurl = "{base}"\nmodels = ["smollm2"]\n'
-            'aliases = { "up-smollm2" = "smollm2" }\n'
-        )
-        with serve_process("--config", str(config), *QUIET) as url:
-            yield url
+    with gateway_in_front(base) as url:
+        yield url
 
 
 @pytest.fixture

@@ -4,17 +4,15 @@ local model and on an upstream model (a second sluice in front of the first)."""
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import ollama
 import pytest
 from openai import OpenAI
 
-from tests.support.real_server import QUIET, wait_idle
-from tests.support.servers import serve_process
+from tests.support.real_server import wait_idle
+from tests.support.servers import gateway_in_front
 
 pytestmark = pytest.mark.integration
 
@@ -28,14 +26,8 @@ BACKENDS = ["smollm2", "up-smollm2"]
 
 @pytest.fixture(scope="module")
 def gateway(base: str) -> Iterator[str]:
-    with tempfile.TemporaryDirectory() as tmp:
-        config = Path(tmp) / "sluice.toml"
-        config.write_text(
-            f'[[upstreams]]\nname = "up"\nurl = "{base}"\nmodels = ["smollm2"]\n'
-            'aliases = { "up-smollm2" = "smollm2" }\n'
-        )
-        with serve_process("--config", str(config), *QUIET) as url:
-            yield url
+    with gateway_in_front(base) as url:
+        yield url
 
 
 def _url(base: str, gateway: str, model: str) -> str:

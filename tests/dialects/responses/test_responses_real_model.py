@@ -6,17 +6,15 @@ unchanged; the upstream stores the responses)."""
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 from openai import OpenAI
 
-from tests.support.real_server import QUIET, wait_idle
+from tests.support.real_server import wait_idle
 from tests.support.relay import Relay
-from tests.support.servers import serve_process
+from tests.support.servers import gateway_in_front
 
 pytestmark = pytest.mark.integration
 
@@ -42,16 +40,8 @@ def relay(base: str) -> Iterator[Relay]:
 
 @pytest.fixture(scope="module")
 def gateway(relay: Relay) -> Iterator[str]:
-    with tempfile.TemporaryDirectory() as tmp:
-        config = Path(tmp) / "sluice.toml"
-        config.write_text(
-            f'[[upstreams]]\nname = "up"\nurl = "{relay.url}"\nmodels = ["smollm2"]\n'
-            'aliases = { "up-smollm2" = "smollm2" }\n'
-            f'[[upstreams]]\nname = "native"\nurl = "{relay.url}"\nmodels = ["smollm2"]\n'
-            'aliases = { "native-smollm2" = "smollm2" }\nnative_apis = ["responses"]\n'
-        )
-        with serve_process("--config", str(config), *QUIET) as url:
-            yield url
+    with gateway_in_front(relay.url, native_apis=("responses",)) as url:
+        yield url
 
 
 @pytest.fixture
