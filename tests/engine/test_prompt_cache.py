@@ -14,7 +14,15 @@ import httpx
 
 from sluice.engine.prompt_cache import PromptCache, common_prefix
 from tests.support.fakes import EOS, ScriptedRunner, chat_prompt
-from tests.support.helpers import CHAT, health, prompt_for, scripted_server, user, wait_until
+from tests.support.helpers import (
+    CHAT,
+    health,
+    prompt_for,
+    scripted_server,
+    served,
+    user,
+    wait_until,
+)
 
 LONG = "tell me about " + " ".join(f"w{i}" for i in range(30))  # ~140 prompt tokens
 SHARED = len("<|im_start|>user\n")  # what every single-message prompt shares
@@ -243,3 +251,49 @@ def test_common_prefix_finds_the_first_difference_anywhere() -> None:
         while n < min(len(a), len(b)) and a[n] == b[n]:
             n += 1
         assert common_prefix(a, b) == n
+
+
+def test_the_cache_grows_only_into_the_memory_budget_left() -> None:
+    cache = PromptCache(budget_bytes=100, min_tokens=1)
+    free = [10]  # what no model holds; the states kept count as held
+    cache.room = lambda: free[0]
+    cache.put([1], bytearray(6))
+    free[0] -= 6
+    cache.put([2], bytearray(6))  # 12 > 6 held + 4 free: the older state goes
+    assert [e.tokens for e in cache.entries()] == [[2]] and cache.size_bytes == 6
+    cache.put([3], bytearray(11))  # more than it holds plus the room left: not kept
+    assert [e.tokens for e in cache.entries()] == [[2]]
+    free[0] = 0
+    assert cache.wants([4])  # it may still replace what it holds
+    cache.clear()
+    assert not cache.wants([4])  # nothing held and no room: not worth a save
+
+
+def test_reclaim_drops_least_recently_used_states_from_any_thread() -> None:
+    cache = PromptCache(budget_bytes=100, min_tokens=1)
+    for t in range(1, 5):
+        cache.put([t], bytearray(10))
+    hit = cache.best([1])
+    assert hit is not None
+    cache.used(hit[0])  # [1] is now the most recently used
+    freed: list[int] = []
+    thread = threading.Thread(target=lambda: freed.append(cache.reclaim(15)))
+    thread.start()
+    thread.join(5)
+    assert freed == [20] and cache.reclaimed == 20
+    assert [e.tokens for e in cache.entries()] == [[4], [1]] and cache.size_bytes == 20
+    assert cache.reclaim(1000) == 20 and len(cache) == 0
+
+
+def test_saved_states_stay_within_the_memory_budget() -> None:
+    """--memory-budget-mb bounds the prompt cache below its own --cache-ram."""
+    runner = ScriptedRunner(state_bytes_per_token=3072)  # ~135 tokens: ~0.4 MiB a state
+    prompts = [f"{name} " + name * 80 for name in "abcd"]
+    with served(runner, parallel=1, cache_ram_mb=2048, memory_budget_mb=1) as (base, engine):
+        for p in prompts:
+            chat(base, user(p))
+        wait_until(lambda: len(runner.saves) == 4)
+        assert 0 < engine.prompt_cache.size_bytes <= 1 << 20
+        assert len(engine.prompt_cache) == 2  # the oldest two went
+        stats = health(base)["models"]["scripted"]["prompt_cache"]
+        assert stats["bytes"] == engine.prompt_cache.size_bytes

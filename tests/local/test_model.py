@@ -55,7 +55,9 @@ async def test_the_local_model_answers_a_neutral_request_and_ends_it_on_unload(
     offload: Offload,
 ) -> None:
     spec = next(s for s in packaged_specs() if s.name == "smollm2-135m-instruct")
-    model = await asyncio.to_thread(LocalModel.load, resolved(spec), LoadOptions(), SETTINGS, offload, None)
+    model = await asyncio.to_thread(
+        LocalModel.load, resolved(spec), LoadOptions(), SETTINGS, offload, None
+    )
     try:
         request = GenerationRequest(messages=[{"role": "user", "content": "Hi"}], max_tokens=3, n=1)
         stream = await model.open(request)

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from sluice.core.backend import MemoryRoom
 from sluice.core.errors import (
     InsufficientMemory,
     ModelLoadFailed,
@@ -54,10 +55,20 @@ class FakeModel:
     def load_config(self) -> dict[str, Any]:
         return {"context_length": self.options.ctx or 4096, "parallel": self.options.parallel or 4}
 
-    extra = 0  # bytes taken since the load (a prompt cache, an embedding context)
+    extra = 0  # bytes taken since the load that stay (an embedding context)
+    cache = 0  # bytes of saved prompt states, which reclaim() gives back
+    room: MemoryRoom | None = None
 
     def extra_bytes(self) -> int:
-        return self.extra
+        return self.extra + self.cache
+
+    def reclaim(self, nbytes: int) -> int:
+        freed = min(nbytes, self.cache)
+        self.cache -= freed
+        return freed
+
+    def bind_memory(self, room: MemoryRoom) -> None:
+        self.room = room
 
 
 class FakeLoader:
@@ -698,10 +709,49 @@ async def test_memory_a_model_took_since_its_load_counts_in_the_budget(
     registry = make(budget_bytes=3 * GiB)  # each model's estimate: 1 GiB
     await use(registry, "alpha")
     await use(registry, "beta")
-    # alpha's prompt cache and embedding context grew to 1.5 GiB: 3.5 GiB held, so
-    # gamma needs room, and alpha (least recently used) goes.
+    # alpha's embedding context took 1.5 GiB: 3.5 GiB held, so gamma needs room,
+    # and alpha (least recently used) goes.
     loader.models[0].extra = 3 * GiB // 2
     assert registry.status()[0].estimate_bytes == GiB + 3 * GiB // 2
     await registry.acquire("gamma")
     alpha, beta = loader.models[:2]
     assert alpha.closed.is_set() and not beta.closed.is_set()
+
+
+async def test_saved_prompt_states_make_room_before_a_model_is_unloaded(
+    make: Callable[..., ModelRegistry], loader: FakeLoader
+) -> None:
+    registry = make(budget_bytes=4 * GiB)  # each model's estimate: 1 GiB
+    await use(registry, "alpha")
+    await use(registry, "beta")
+    alpha, beta = loader.models
+    alpha.cache, beta.cache = GiB, GiB  # 4 GiB held: the budget is full
+    assert alpha.room is not None and alpha.room.free() == 0
+    await use(registry, "gamma")
+    # 1 GiB had to go: alpha's states (the least recently used model), no model.
+    assert (alpha.cache, beta.cache) == (0, GiB)
+    assert not alpha.closed.is_set() and not beta.closed.is_set()
+    assert alpha.room.free() == 0
+    # With every state gone and still no room, the least recently used model goes.
+    beta.cache = 0
+    alpha.extra = 2 * GiB
+    await use(registry, "delta")
+    assert alpha.closed.is_set() and not beta.closed.is_set()
+
+
+async def test_the_room_a_model_sees_is_what_no_model_holds(
+    make: Callable[..., ModelRegistry], loader: FakeLoader
+) -> None:
+    registry = make(budget_bytes=4 * GiB)
+    await use(registry, "alpha")
+    alpha = loader.models[0]
+    assert alpha.room is not None and alpha.room.free() == 3 * GiB
+    alpha.cache = GiB // 2
+    assert alpha.room.free() == 5 * GiB // 2
+    await use(registry, "beta")
+    assert alpha.room.free() == 3 * GiB // 2
+    # Any thread may ask (the engine thread does, when it keeps a state).
+    free = await asyncio.to_thread(alpha.room.free)
+    assert free == 3 * GiB // 2
+    assert await asyncio.to_thread(alpha.room.reclaim, GiB) == GiB // 2
+    assert alpha.cache == 0

@@ -212,3 +212,29 @@ def test_a_request_can_set_the_idle_ttl_of_the_model_it_loads(two_slots: str) ->
     assert states(base)[SMOL] == "loaded"
     bad = complete(base, GEMMA, ttl=0)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "ttl"
+
+
+def test_saved_prompt_states_stay_within_the_memory_budget() -> None:
+    # smollm2 at this size is estimated ~170 MiB: ~20 MiB are left for its prompt cache
+    # (--cache-ram's 2 GiB would hold every state), ~10 MiB a 450-token state.
+    budget = 190 << 20
+    with serve_process("--memory-budget-mb", str(budget >> 20), *SMALL) as base:
+
+        def held() -> int:
+            (model,) = httpx.get(f"{base}/api/ps", timeout=10).json()["models"]
+            return int(model["size"])
+
+        def cache() -> dict[str, int]:
+            health = httpx.get(f"{base}/health", timeout=10).json()
+            return dict(health["models"][SMOL]["prompt_cache"])
+
+        for i in range(6):
+            words = " ".join(f"w{i}x{j}" for j in range(85))
+            res = complete(base, SMOL, prompt=f"Text {i}: {words}", max_tokens=1)
+            assert res.status_code == 200, res.text
+            assert 300 < res.json()["usage"]["prompt_tokens"] < 500
+            wait_for(lambda: cache()["entries"] > 0)
+        wait_for(lambda: cache()["bytes"] > 10 << 20)
+        time.sleep(0.5)  # the last save, if one is under way
+        assert 0 < held() <= budget
+        assert cache()["entries"] < 6  # the oldest states made room for the newest

@@ -82,6 +82,7 @@ class ScriptedRunner:
     state_bytes_per_token: int = 4  # size of a saved state, like a real KV's (>= 4)
     embedders: list[FakeEmbedder] = field(default_factory=list)  # made by new_embedder
     embed_delay: float = 0.0  # seconds each embedding decode takes
+    embed_bytes: int = 1 << 20  # what an embedding context holds (new_embedder's bytes)
 
     def __post_init__(self) -> None:
         self.info = ModelInfo(
@@ -217,9 +218,16 @@ class ScriptedRunner:
         return TokenLogprob(text, token, -0.5, tuple(piece), top)
 
     def new_embedder(self, n_ctx: int) -> FakeEmbedder:
-        embedder = FakeEmbedder(n_ctx=min(n_ctx, self.n_ctx_seq), decode_delay=self.embed_delay)
+        embedder = FakeEmbedder(
+            n_ctx=min(n_ctx, self.n_ctx_seq),
+            bytes=self.embedder_bytes(n_ctx),
+            decode_delay=self.embed_delay,
+        )
         self.embedders.append(embedder)
         return embedder
+
+    def embedder_bytes(self, n_ctx: int) -> int:
+        return self.embed_bytes
 
     def close(self) -> None:
         self.closed = True

@@ -148,8 +148,9 @@ class Settings:
     memory_budget_mb: int = setting(
         0,
         "models",
-        "MiB all loaded models may use (weights + KV cache, estimated before a load); a load "
-        "that would not fit is refused; 0: 90% of RAM",
+        "MiB all loaded models may use (weights + KV cache, estimated before a load, and "
+        "the prompt caches and embedding contexts they take since); a load that would not "
+        "fit is refused; 0: 90% of RAM",
     )
     gpu_layers: int = setting(
         0,
@@ -172,7 +173,7 @@ class Settings:
         2048,
         "engine",
         "MiB of RAM per loaded model for the KV state of recent prompts, restored when a "
-        "prompt comes back after its slot was reused; 0: off",
+        "prompt comes back after its slot was reused (within --memory-budget-mb too); 0: off",
         flag="--cache-ram",
     )
     prefill_budget: float = setting(

@@ -82,6 +82,21 @@ class Embeddings:
 Progress = Callable[[float], None]  # a load's progress, 0.0 to 1.0
 
 
+class MemoryRoom(Protocol):
+    """A loaded model's view of the memory budget it shares with the other models
+    (``--memory-budget-mb``): what it takes after its load (the RAM prompt cache's
+    states, an embedding context) must fit in it too. Safe from any thread."""
+
+    def free(self) -> int:
+        """Bytes of the budget no model holds now (may be negative when over)."""
+        ...
+
+    def reclaim(self, nbytes: int) -> int:
+        """Drop up to ``nbytes`` of saved prompt states, least recently used model
+        first; the bytes freed."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class LoadOptions:
     """Per-load overrides on top of the spec (LM Studio's ``context_length``, ``parallel``)."""

@@ -245,6 +245,12 @@ class Engine:
     def capacity(self) -> int:
         return len(self._slots) + self.config.max_queue
 
+    @property
+    def prompt_cache(self) -> PromptCache:
+        """The RAM prompt cache: its ``size_bytes``, ``room`` and ``reclaim`` are safe
+        from any thread; the rest is the engine thread's."""
+        return self._cache
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="sluice-engine", daemon=True)
         self._thread.start()

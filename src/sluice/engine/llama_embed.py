@@ -37,6 +37,29 @@ log = logging.getLogger("sluice.llama")
 _MAX_SEQS = 64  # inputs in one decode (llama.cpp's n_seq_max)
 
 
+def embedder_bytes(runner: LlamaRunner, n_ctx: int) -> int:
+    """What an embedding context of ``n_ctx`` tokens holds, known before it is made:
+    its KV cells (f16 K and V in every layer), the attention mask of a full batch and
+    the pooled outputs. The memory guard counts it."""
+    meta, arch = runner.meta, runner.architecture
+
+    def num(key: str, default: int = 0) -> int:
+        value = meta(f"{arch}.{key}")
+        try:
+            return int(value) if value is not None else default
+        except ValueError:
+            return default
+
+    n_embd = int(_llama().llama_model_n_embd(runner.model))
+    heads = num("attention.head_count", 1) or 1
+    head_dim = n_embd // heads
+    kv_heads = num("attention.head_count_kv", heads)
+    k = num("attention.key_length", head_dim)
+    v = num("attention.value_length", head_dim)
+    kv = num("block_count") * n_ctx * kv_heads * (k + v) * 2
+    return kv + n_ctx * n_ctx * 4 + n_ctx * n_embd * 4 * 4
+
+
 class LlamaEmbedder:
     """A pooled embedding context on a loaded runner's model."""
 
@@ -48,7 +71,7 @@ class LlamaEmbedder:
         self.n_embd = int(self._L.llama_model_n_embd(runner.model))
         self.pooling = pooling  # "mean", or what the GGUF declares
         self._mem = self._L.llama_get_memory(ctx)
-        self.bytes = self._estimate_bytes()
+        self.bytes = embedder_bytes(runner, n_ctx)
         self._batch = self._L.llama_batch_init(n_ctx, 0, 1)
         self._batcher = EmbedBatcher(self._decode, max_tokens=n_ctx, max_seqs=_MAX_SEQS)
 
@@ -79,26 +102,6 @@ class LlamaEmbedder:
                 "llama.cpp could not create an embedding context (out of memory?)"
             )
         return cls(runner, ctx, n_ctx, pooling)
-
-    def _estimate_bytes(self) -> int:
-        """Its KV cells (f16 K and V in every layer), the attention mask of a full batch
-        and the pooled outputs: what the memory guard counts for it."""
-        meta, arch = self._runner.meta, self._runner.architecture
-
-        def num(key: str, default: int = 0) -> int:
-            value = meta(f"{arch}.{key}")
-            try:
-                return int(value) if value is not None else default
-            except ValueError:
-                return default
-
-        heads = num("attention.head_count", 1) or 1
-        head_dim = self.n_embd // heads
-        kv_heads = num("attention.head_count_kv", heads)
-        k = num("attention.key_length", head_dim)
-        v = num("attention.value_length", head_dim)
-        kv = num("block_count") * self.n_ctx * kv_heads * (k + v) * 2
-        return kv + self.n_ctx * self.n_ctx * 4 + self.n_ctx * self.n_embd * 4 * 4
 
     def embed(self, inputs: Sequence[list[int]]) -> list[list[float]]:
         """One L2-normalized vector per input (token ids; each 1 to ``n_ctx`` of them,

@@ -460,6 +460,11 @@ class LlamaRunner:
         threads = self.config.n_threads or os.cpu_count() or 1
         return LlamaEmbedder.create(self, n_ctx, threads)
 
+    def embedder_bytes(self, n_ctx: int) -> int:
+        from sluice.engine.llama_embed import embedder_bytes
+
+        return embedder_bytes(self, n_ctx)
+
     def meta(self, key: str) -> str | None:
         """The GGUF metadata value of ``key`` as text, or None."""
         buf = ctypes.create_string_buffer(128)

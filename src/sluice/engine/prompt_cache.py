@@ -8,10 +8,13 @@ keyed by the tokens it holds; a later prompt that shares a long enough prefix
 with an entry gets it restored into its slot (``ModelRunner.load_seq``) and
 prefills only the rest. This is llama-server's ``--cache-ram``.
 
-Only the engine thread uses it. Entries are found by longest common prefix;
-the least recently used go first when the budget is exceeded, and an entry
-whose tokens are a prefix of a newer one is dropped (the newer one serves
-every prompt the older one could).
+The engine thread uses it; the registry may :meth:`PromptCache.reclaim` bytes
+from another thread to make room for a load (a lock guards the entries).
+Entries are found by longest common prefix; the least recently used go first
+when the cache would pass its own budget (``--cache-ram``) or the room left in
+the server's memory budget (``room``: the bytes nobody holds, counted when a
+state is kept), and an entry whose tokens are a prefix of a newer one is
+dropped (the newer one serves every prompt the older one could).
 
 Example::
 
@@ -26,7 +29,9 @@ Example::
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 # Sequences shorter than this are not saved, and a restore must spare at least this
@@ -83,11 +88,16 @@ class PromptCache:
     def __init__(self, budget_bytes: int, min_tokens: int = MIN_TOKENS) -> None:
         self.budget_bytes = max(0, budget_bytes)
         self.min_tokens = max(1, min_tokens)
+        # Bytes of the server's memory budget that nobody holds (this cache's states
+        # included in what is held); None: only ``budget_bytes`` bounds the cache.
+        self.room: Callable[[], int] | None = None
         self._entries: OrderedDict[int, CacheEntry] = OrderedDict()  # oldest first
+        self._lock = threading.Lock()
         self._ids = 0
         self.size_bytes = 0
         self.hits = 0  # entries chosen for a restore
         self.saves = 0
+        self.reclaimed = 0  # bytes dropped to make room for a load or another model
 
     @property
     def enabled(self) -> bool:
@@ -98,41 +108,55 @@ class PromptCache:
 
     def entries(self) -> list[CacheEntry]:
         """Oldest first (for tests and stats)."""
-        return list(self._entries.values())
+        with self._lock:
+            return list(self._entries.values())
 
     def wants(self, tokens: list[int]) -> bool:
         """Whether saving a sequence holding ``tokens`` would add anything.
 
-        Checked before the save, which is the costly part: too short, or
-        already held by an entry that starts with these tokens, is not worth it.
+        Checked before the save, which is the costly part: too short, no room
+        left in the memory budget, or already held by an entry that starts with
+        these tokens, is not worth it.
         """
-        if not self.enabled or len(tokens) < self.min_tokens:
+        if not self.enabled or len(tokens) < self.min_tokens or self._limit() <= 0:
             return False
-        for key, entry in self._entries.items():
-            if len(entry.tokens) >= len(tokens) and common_prefix(entry.tokens, tokens) == len(
-                tokens
-            ):
-                self._entries.move_to_end(key)  # still wanted: keep it longer
-                return False
+        with self._lock:
+            for key, entry in self._entries.items():
+                if len(entry.tokens) >= len(tokens) and common_prefix(entry.tokens, tokens) == len(
+                    tokens
+                ):
+                    self._entries.move_to_end(key)  # still wanted: keep it longer
+                    return False
         return True
+
+    def _limit(self) -> int:
+        """The bytes the cache may hold now: its own budget, and no more than it holds
+        plus the room left in the server's memory budget."""
+        if self.room is None:
+            return self.budget_bytes
+        return min(self.budget_bytes, self.size_bytes + max(0, self.room()))
 
     def put(self, tokens: list[int], state: bytearray) -> None:
         """Keep ``state`` for ``tokens`` (a copy of the list is kept); evict to fit."""
-        if not self.enabled or not tokens or not state or len(state) > self.budget_bytes:
+        if not self.enabled or not tokens or not state:
+            return
+        limit = self._limit()  # before the state counts: it is not held by the cache yet
+        if len(state) > limit:
             return
         tokens = list(tokens)
-        for key in [
-            k
-            for k, e in self._entries.items()
-            if len(e.tokens) <= len(tokens) and common_prefix(e.tokens, tokens) == len(e.tokens)
-        ]:
-            self._drop(key)
-        self._ids += 1
-        self._entries[self._ids] = CacheEntry(self._ids, tokens, state)
-        self.size_bytes += len(state)
-        self.saves += 1
-        while self.size_bytes > self.budget_bytes:
-            self._drop(next(iter(self._entries)))
+        with self._lock:
+            for key in [
+                k
+                for k, e in self._entries.items()
+                if len(e.tokens) <= len(tokens) and common_prefix(e.tokens, tokens) == len(e.tokens)
+            ]:
+                self._drop(key)
+            self._ids += 1
+            self._entries[self._ids] = CacheEntry(self._ids, tokens, state)
+            self.size_bytes += len(state)
+            self.saves += 1
+            while self.size_bytes > limit:
+                self._drop(next(iter(self._entries)))
 
     def best(self, prompt: list[int], *, whole: bool = False) -> tuple[CacheEntry, int] | None:
         """The entry sharing the longest prefix with ``prompt``, and that length.
@@ -142,35 +166,53 @@ class PromptCache:
         entry (less to restore). Call :meth:`used` if it is restored.
         """
         found: tuple[CacheEntry, int] | None = None
-        for entry in self._entries.values():
-            if not prompt or entry.tokens[0] != prompt[0]:  # most misses end here
-                continue
-            n = common_prefix(entry.tokens, prompt)
-            if whole and n < len(entry.tokens):
-                continue
-            if (
-                found is None
-                or n > found[1]
-                or (n == found[1] and len(entry.tokens) < len(found[0].tokens))
-            ):
-                found = (entry, n)
+        if not prompt:
+            return None
+        with self._lock:
+            for entry in self._entries.values():
+                if entry.tokens[0] != prompt[0]:  # most misses end here
+                    continue
+                n = common_prefix(entry.tokens, prompt)
+                if whole and n < len(entry.tokens):
+                    continue
+                if (
+                    found is None
+                    or n > found[1]
+                    or (n == found[1] and len(entry.tokens) < len(found[0].tokens))
+                ):
+                    found = (entry, n)
         return found
 
     def used(self, entry: CacheEntry) -> None:
         """An entry is being restored: it is now the most recently used."""
-        if entry.key in self._entries:
-            self._entries.move_to_end(entry.key)
-            self.hits += 1
+        with self._lock:
+            if entry.key in self._entries:
+                self._entries.move_to_end(entry.key)
+                self.hits += 1
 
     def discard(self, entry: CacheEntry) -> None:
         """Forget an entry (its state would not restore)."""
-        if entry.key in self._entries:
-            self._drop(entry.key)
+        with self._lock:
+            if entry.key in self._entries:
+                self._drop(entry.key)
+
+    def reclaim(self, nbytes: int) -> int:
+        """Drop the least recently used entries until ``nbytes`` are freed (or the cache
+        is empty); the bytes freed. Safe from any thread (a restore under way keeps its
+        state alive until it is done)."""
+        freed = 0
+        with self._lock:
+            while freed < nbytes and self._entries:
+                freed += self._drop(next(iter(self._entries)))
+            self.reclaimed += freed
+        return freed
 
     def clear(self) -> None:
-        self._entries.clear()
-        self.size_bytes = 0
+        with self._lock:
+            self._entries.clear()
+            self.size_bytes = 0
 
-    def _drop(self, key: int) -> None:
+    def _drop(self, key: int) -> int:
         entry = self._entries.pop(key)
         self.size_bytes -= len(entry.state)
+        return len(entry.state)

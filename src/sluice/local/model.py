@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from sluice.config import Settings
-from sluice.core.backend import Embeddings, LoadOptions, Progress, StreamMeta
-from sluice.core.errors import InvalidRequest, ModelUnloaded, SluiceError
+from sluice.core.backend import Embeddings, LoadOptions, MemoryRoom, Progress, StreamMeta
+from sluice.core.errors import InsufficientMemory, InvalidRequest, ModelUnloaded, SluiceError
 from sluice.core.events import Event
 from sluice.core.model import ModelSpec
 from sluice.core.request import LLAMA_CPP_SAMPLING, GenerationRequest, SamplerDefaults
@@ -166,6 +166,8 @@ class LocalModel:
         self._lock = threading.Condition()
         self._embed_lock = threading.Lock()
         self._embedder: Embedder | None = None  # the pooled context, on first use
+        self._embedder_making = 0  # its bytes while it is being made (counted as held)
+        self._room: MemoryRoom | None = None  # the shared memory budget, once bound
         self._using = 0
         self._closed = False
         self.engine.start()
@@ -276,7 +278,12 @@ class LocalModel:
     def _embedder_now(self) -> Embedder:
         with self._embed_lock:
             if self._embedder is None:
-                self._embedder = self.runner.new_embedder(min(self.runner.n_ctx_seq, EMBED_CTX))
+                n_ctx = min(self.runner.n_ctx_seq, EMBED_CTX)
+                self._embedder_making = self._make_room(self.runner.embedder_bytes(n_ctx))
+                try:
+                    self._embedder = self.runner.new_embedder(n_ctx)
+                finally:
+                    self._embedder_making = 0
                 log.info(
                     "'%s' embeds: %s pooling, %d tokens an input",
                     self.name,
@@ -284,6 +291,24 @@ class LocalModel:
                     self._embedder.n_ctx,
                 )
             return self._embedder
+
+    def _make_room(self, need: int) -> int:
+        """Make sure ``need`` more bytes fit the memory budget, dropping saved prompt
+        states (any model's) if they must go; ``need``. Raises InsufficientMemory."""
+        room = self._room
+        if room is None or need <= room.free():
+            return need
+        room.reclaim(need - room.free())
+        free = room.free()
+        if need > free:
+            raise InsufficientMemory(
+                f"Embedding with '{self.name}' needs {need / 2**20:.0f} MiB for its "
+                f"pooled context, and the memory budget (--memory-budget-mb) has "
+                f"{max(0, free) / 2**20:.0f} MiB left with the loaded models in it. "
+                "Unload a model, or retry when one is unloaded.",
+                retry_after=5,
+            )
+        return need
 
     @contextlib.contextmanager
     def _in_use(self) -> Iterator[None]:
@@ -363,9 +388,21 @@ class LocalModel:
         return {"pooling": embedder.pooling, "n_ctx": embedder.n_ctx, "bytes": embedder.bytes}
 
     def extra_bytes(self) -> int:
-        """The prompt cache's states and the embedding context, when there is one."""
+        """The prompt cache's states and the embedding context, when there is one
+        (or is being made)."""
         embedder = self._embedder
-        return self.engine.stats.prompt_cache_bytes + (embedder.bytes if embedder else 0)
+        made = embedder.bytes if embedder else self._embedder_making
+        return self.engine.prompt_cache.size_bytes + made
+
+    def reclaim(self, nbytes: int) -> int:
+        """Drop up to ``nbytes`` of the prompt cache's least recently used states."""
+        return self.engine.prompt_cache.reclaim(nbytes)
+
+    def bind_memory(self, room: MemoryRoom) -> None:
+        """The prompt cache keeps within the budget's room from now on, and the
+        embedding context is made only if it fits."""
+        self._room = room
+        self.engine.prompt_cache.room = room.free
 
     def load_config(self) -> dict[str, Any]:
         """What this instance was loaded with (LM Studio's ``loaded_instances[].config``)."""

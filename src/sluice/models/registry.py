@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeVar
 
-from sluice.core.backend import Backend, LoadOptions, Progress
+from sluice.core.backend import Backend, LoadOptions, MemoryRoom, Progress
 from sluice.core.errors import (
     ModelLoadFailed,
     ModelNotFound,
@@ -68,6 +68,13 @@ class LoadedModel(Backend, Protocol):
     def extra_bytes(self) -> int:
         """Memory it holds now beyond its load's estimate: the RAM prompt cache's
         states, an embedding context made since."""
+
+    def reclaim(self, nbytes: int) -> int:
+        """Free up to ``nbytes`` it holds without unloading (its prompt cache's least
+        recently used states), from any thread; the bytes freed."""
+
+    def bind_memory(self, room: MemoryRoom) -> None:
+        """From now on, keep what it takes after the load within ``room``."""
 
 
 # Both get the options with the spec's values filled in (None: the server's setting).
@@ -284,6 +291,7 @@ class ModelRegistry:
         self._wake = asyncio.Event()  # something changed that may move a TTL deadline
         self._reaper: asyncio.Task[None] | None = None
         self._closed = False
+        self._room = _SharedBudget(self)
         self._refresh()
 
     # -- names ---------------------------------------------------------------
@@ -485,8 +493,18 @@ class ModelRegistry:
         return need
 
     def _make_room(self, spec: ModelSpec, need: int) -> list[_Entry]:
-        """The idle models to unload so ``need`` fits; raises if it cannot fit now."""
+        """The idle models to unload so ``need`` fits; raises if it cannot fit now.
+
+        Saved prompt states go first: they are a cache, cheaper to lose than a
+        loaded model."""
         holders = [e for e in self._entries.values() if e.holds()]
+        over = sum(h.held() for h in holders) + need - self._budget
+        if over > 0:
+            freed = self._room.reclaim(over)
+            if freed:
+                log.info(
+                    "dropped %d MiB of saved prompt states to load '%s'", freed >> 20, spec.name
+                )
         return plan_room(
             spec.name,
             need,
@@ -523,6 +541,7 @@ class ModelRegistry:
         # Every progress call was posted before the result, so this comes last.
         load.deliver(1.0)
         instance = _Instance(spec, model, load.options, load.estimate, seconds)
+        model.bind_memory(self._room)
         entry.instance = instance
         entry.loading = None
         entry.loads += 1
@@ -656,6 +675,29 @@ class ModelRegistry:
         unloads = [self._unload(e) for e in self._entries.values() if e.instance is not None]
         if unloads:
             await asyncio.wait(unloads)
+
+
+class _SharedBudget:
+    """The memory budget as a loaded model sees it (``MemoryRoom``), from any thread:
+    the models' prompt caches grow only into what no model holds, and give it back
+    when a load or an embedding context needs it."""
+
+    def __init__(self, registry: ModelRegistry) -> None:
+        self._registry = registry
+
+    def free(self) -> int:
+        registry = self._registry
+        # A copy first: the loop may add an entry meanwhile (tuple() holds the GIL).
+        return registry._budget - sum(e.held() for e in tuple(registry._entries.values()))
+
+    def reclaim(self, nbytes: int) -> int:
+        instances = [e.instance for e in tuple(self._registry._entries.values())]
+        freed = 0
+        for instance in sorted((i for i in instances if i), key=lambda i: i.last_used):
+            if freed >= nbytes:
+                break
+            freed += instance.model.reclaim(nbytes - freed)
+        return freed
 
 
 def _in_flight(entries: Iterable[_Entry]) -> Iterable[asyncio.Task[Any]]:

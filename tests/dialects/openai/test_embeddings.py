@@ -15,7 +15,7 @@ import pytest
 
 from sluice.server.jsonbody import MAX_EMBED_INPUTS
 from tests.support.fakes import ScriptedRunner
-from tests.support.helpers import scripted_server
+from tests.support.helpers import scripted_server, served, wait_until
 
 
 def post(base: str, path: str, **body: Any) -> httpx.Response:
@@ -153,3 +153,42 @@ def test_embedding_requests_are_metered_per_slot() -> None:
         after = counts()
     assert after[0] - before[0] == 2
     assert after[1] - before[1] >= used["prompt_tokens"] > 0
+
+
+def test_an_embedding_context_over_the_memory_budget_is_refused() -> None:
+    """Saved prompt states make room first; past them, a 503 that says why, in each
+    dialect's shape, and the model keeps generating."""
+    runner = ScriptedRunner(embed_bytes=3 << 20)
+    with scripted_server(runner, memory_budget_mb=2) as base:
+        r = post(base, "/v1/embeddings", input="hello")
+        assert r.status_code == 503, r.text
+        assert "pooled context" in r.json()["error"]["message"]
+        assert "--memory-budget-mb" in r.json()["error"]["message"]
+        assert r.headers["retry-after"] == "5"
+        r = post(base, "/api/embed", input="hello")
+        assert r.status_code == 503 and "pooled context" in r.json()["error"]
+        assert runner.embedders == []
+        chat = httpx.post(
+            base + "/v1/chat/completions",
+            json={"model": "scripted", "messages": [{"role": "user", "content": "hi"}]},
+            timeout=30,
+        )
+        assert chat.status_code == 200, chat.text
+    runner = ScriptedRunner(embed_bytes=1 << 20)
+    with scripted_server(runner, memory_budget_mb=2) as base:
+        assert post(base, "/v1/embeddings", input="hello").status_code == 200
+        health = httpx.get(base + "/health", timeout=30).json()["models"]["scripted"]
+        assert health["embedding"]["bytes"] == 1 << 20
+
+
+def test_saved_prompt_states_give_way_to_the_embedding_context() -> None:
+    runner = ScriptedRunner(embed_bytes=3 << 19, state_bytes_per_token=6144)  # 1.5 MiB
+    with served(runner, parallel=1, memory_budget_mb=2) as (base, engine):
+        for name in "ab":  # ~135 tokens each: ~0.8 MiB a saved state
+            chat = {"model": "scripted", "messages": [{"role": "user", "content": name * 90}]}
+            assert httpx.post(base + "/v1/chat/completions", json=chat, timeout=30).is_success
+        wait_until(lambda: len(runner.saves) == 2)
+        assert engine.prompt_cache.size_bytes > 1 << 20  # no room left for 1.5 MiB
+        assert post(base, "/v1/embeddings", input="hello").status_code == 200
+        assert engine.prompt_cache.size_bytes <= (1 << 19)
+        assert engine.prompt_cache.reclaimed > 0
