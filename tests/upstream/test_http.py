@@ -594,6 +594,12 @@ def test_images_audio_rerank_and_embeddings_pass_through_to_an_upstream_model() 
             r = httpx.post(f"{base}{path}", json={"model": "m1", "input": ["a"]}, timeout=10)
             assert r.status_code == 200 and r.content == MEDIA_BODY, path
             assert up.posts[-1]["path"] == path
+        # Embeddings for an upstream are held to the same limits, before they leave.
+        sent_before = len(up.posts)
+        many = {"model": "alias-m1", "input": ["a"] * 2049}
+        r = httpx.post(f"{base}/v1/embeddings", json=many, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+        assert len(up.posts) == sent_before
         # A local model serves none of them; a missing model is the usual answer.
         local = httpx.post(
             f"{base}/v1/images/generations", json={"model": "scripted", "prompt": "x"}, timeout=10

@@ -213,6 +213,16 @@ class Settings:
     max_stop: int = setting(4, "limits", "stop strings per request (OpenAI's limit)")
     max_stop_length: int = setting(256, "limits", "characters per stop string")
     max_logit_bias: int = setting(1024, "limits", "logit_bias entries")
+    max_embedding_inputs: int = setting(
+        2048, "limits", "inputs in one embeddings request (OpenAI's limit)"
+    )
+    embedding_ctx: int = setting(
+        4096,
+        "limits",
+        "tokens one embedding input may have on a local model (its pooled context's size, "
+        "at most the model's context); longer inputs are a 400, or cut where the dialect "
+        "truncates",
+    )
     max_tools: int = setting(128, "limits", "tools per request")
     max_schema_bytes: int = setting(
         128 * 1024, "limits", "JSON size of a request's tool and response schemas"

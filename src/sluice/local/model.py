@@ -73,10 +73,6 @@ class ModelSettings:
         )
 
 
-# Tokens an embedding input may have (the pooled context's size, within the model's).
-EMBED_CTX = 4096
-
-
 def shorten(vector: list[float], dimensions: int | None) -> list[float]:
     """The first ``dimensions`` values, normalized again (Matryoshka-style)."""
     if dimensions is None or dimensions >= len(vector):
@@ -166,6 +162,7 @@ class LocalModel:
         self._lock = threading.Condition()
         self._embed_lock = threading.Lock()
         self._embedder: Embedder | None = None  # the pooled context, on first use
+        self._embedding_ctx = settings.embedding_ctx  # its tokens, within the model's
         self._embedder_making = 0  # its bytes while it is being made (counted as held)
         self._room: MemoryRoom | None = None  # the shared memory budget, once bound
         self._using = 0
@@ -278,7 +275,7 @@ class LocalModel:
     def _embedder_now(self) -> Embedder:
         with self._embed_lock:
             if self._embedder is None:
-                n_ctx = min(self.runner.n_ctx_seq, EMBED_CTX)
+                n_ctx = min(self.runner.n_ctx_seq, max(1, self._embedding_ctx))
                 self._embedder_making = self._make_room(self.runner.embedder_bytes(n_ctx))
                 try:
                     self._embedder = self.runner.new_embedder(n_ctx)

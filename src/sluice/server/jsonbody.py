@@ -44,6 +44,7 @@ class BodyLimits:
     max_stop: int = 4
     max_stop_length: int = 256
     max_logit_bias: int = 1024
+    max_embedding_inputs: int = 2048
 
 
 class _Bad:
@@ -274,7 +275,9 @@ def field_path(loc: tuple[int | str, ...], data: Any, *, missing: bool = False) 
 M = TypeVar("M", bound=BaseModel)
 
 
-def validate_body(data: dict[str, Any], model: type[M]) -> M:
+def validate_body(data: dict[str, Any], model: type[M], *, passthrough: bool = False) -> M:
+    """``data`` as ``model``, or a 400 naming the field. Unknown fields are logged as
+    ignored, unless the body goes on to an upstream (``passthrough``) that reads them."""
     try:
         parsed = model.model_validate(data)
     except ValidationError as exc:
@@ -282,23 +285,21 @@ def validate_body(data: dict[str, Any], model: type[M]) -> M:
         loc = field_path(first["loc"], data, missing=first["type"] == "missing")
         raise InvalidRequest(f"Invalid '{loc}': {first['msg']}", param=loc or None) from exc
     unknown = parsed.unknown_fields()  # type: ignore[attr-defined]
-    if unknown:
+    if unknown and not passthrough:
         log.info("ignoring unknown request fields: %s", ", ".join(unknown))
     return parsed
 
 
-# Inputs in one embeddings request (OpenAI's own limit).
-MAX_EMBED_INPUTS = 2048
-
-
-def check_embed_inputs(items: list[Any]) -> list[str] | list[list[int]]:
-    """Inputs one request may have: at least one, at most :data:`MAX_EMBED_INPUTS`, none
+def check_embed_inputs(items: list[Any], limits: BodyLimits) -> list[str] | list[list[int]]:
+    """Inputs one request may have: at least one, at most ``max_embedding_inputs``, none
     empty, all texts or all token lists."""
     if not items:
         raise InvalidRequest("'input' is empty", param="input")
-    if len(items) > MAX_EMBED_INPUTS:
+    if len(items) > limits.max_embedding_inputs:
         raise InvalidRequest(
-            f"'input' has {len(items)} items; the limit is {MAX_EMBED_INPUTS}", param="input"
+            f"'input' has {len(items)} items; the limit is {limits.max_embedding_inputs} "
+            "(--max-embedding-inputs)",
+            param="input",
         )
     for i, item in enumerate(items):
         if isinstance(item, str | list) and not item:

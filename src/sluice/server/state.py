@@ -80,6 +80,7 @@ def body_limits(settings: Settings) -> BodyLimits:
         max_stop=settings.max_stop,
         max_stop_length=settings.max_stop_length,
         max_logit_bias=settings.max_logit_bias,
+        max_embedding_inputs=settings.max_embedding_inputs,
     )
 
 

@@ -13,7 +13,6 @@ import httpx
 import numpy as np
 import pytest
 
-from sluice.server.jsonbody import MAX_EMBED_INPUTS
 from tests.support.fakes import ScriptedRunner
 from tests.support.helpers import scripted_server, served, wait_until
 
@@ -61,7 +60,7 @@ def test_dimensions_keep_the_first_values_normalized_again() -> None:
         ({"input": []}, "input"),
         ({"input": ["a", ""]}, "input[1]"),
         ({"input": ["a", [1, 2]]}, "input"),
-        ({"input": ["x"] * (MAX_EMBED_INPUTS + 1)}, "input"),
+        ({"input": ["x"] * 2049}, "input"),
         ({"input": "a", "encoding_format": "hex"}, "encoding_format"),
         ({"input": "a", "dimensions": 0}, "dimensions"),
         ({"input": [10**9]}, "input"),
@@ -84,6 +83,22 @@ def test_an_input_over_the_window_is_a_400_for_openai_and_cut_for_ollama() -> No
     assert openai.status_code == 400 and "at most 64" in openai.json()["error"]["message"]
     assert ollama.status_code == 200 and ollama.json()["prompt_eval_count"] == 64
     assert strict.status_code == 400 and set(strict.json()) == {"error"}
+
+
+def test_inputs_per_request_and_tokens_per_input_are_settings() -> None:
+    runner = ScriptedRunner()
+    with scripted_server(runner, max_embedding_inputs=3, embedding_ctx=16) as base:
+        assert post(base, "/v1/embeddings", input=["a", "b", "c"]).status_code == 200
+        many = post(base, "/v1/embeddings", input=["a", "b", "c", "d"])
+        assert many.status_code == 400
+        assert "limit is 3 (--max-embedding-inputs)" in many.json()["error"]["message"]
+        ollama = post(base, "/api/embed", input=["a", "b", "c", "d"])
+        assert ollama.status_code == 400 and "limit is 3" in ollama.json()["error"]
+        long = post(base, "/v1/embeddings", input="word " * 40)
+        assert long.status_code == 400 and "at most 16" in long.json()["error"]["message"]
+        cut = post(base, "/api/embed", input="word " * 40)
+        assert cut.status_code == 200 and cut.json()["prompt_eval_count"] == 16
+    assert runner.embedders[0].n_ctx == 16
 
 
 def test_ollama_embed_and_the_legacy_endpoint() -> None:

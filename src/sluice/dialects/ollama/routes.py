@@ -381,7 +381,7 @@ async def _embed(request: Request, legacy: bool) -> Response:
         return Response(status_code=CLIENT_GONE)
     body: EmbedRequest = parse(data, EmbedRequest)
     name = body.model.removesuffix(":latest")
-    inputs = check_embed_inputs([body.prompt] if legacy else body.input_list())
+    inputs = check_embed_inputs([body.prompt] if legacy else body.input_list(), state.limits)
     lease = await state.dispatcher.acquire(name, ttl=body.ttl())
     try:
         result = await lease.embed(inputs, truncate=body.truncate, dimensions=body.dimensions)

@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from sluice.core.backend import Embeddings
-from sluice.server.jsonbody import check_embed_inputs, validate_body
+from sluice.server.jsonbody import BodyLimits, check_embed_inputs, validate_body
 from sluice.server.respond import CLIENT_GONE, errors_as, forward
 from sluice.server.sse import error_frame, error_response, json_response
 from sluice.server.state import read_json, server_state
@@ -40,13 +40,13 @@ class EmbeddingsRequest(BaseModel):
     def unknown_fields(self) -> list[str]:
         return sorted((self.model_extra or {}).keys())
 
-    def inputs(self) -> list[str] | list[list[int]]:
+    def inputs(self, limits: BodyLimits) -> list[str] | list[list[int]]:
         """The inputs as a list: texts, or token-id lists; a 400 naming what is wrong."""
         value = self.input
         items: list[Any] = [value] if isinstance(value, str) else list(value)
         if items and all(isinstance(x, int) for x in items):
             items = [items]  # one input as token ids
-        return check_embed_inputs(items)
+        return check_embed_inputs(items, limits)
 
 
 def encode_vector(vector: list[float], fmt: str) -> list[float] | str:
@@ -75,6 +75,8 @@ async def embeddings(request: Request) -> Response:
         return Response(status_code=CLIENT_GONE)
     name = data.get("model")
     target = state.dispatcher.upstream(name) if isinstance(name, str) else None
+    body = validate_body(data, EmbeddingsRequest, passthrough=target is not None)
+    inputs = body.inputs(state.limits)  # an upstream's requests within the same limits
     if target is not None:  # the upstream's answer, its bytes unchanged
         data["model"] = target.model
         raw = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
@@ -82,8 +84,6 @@ async def embeddings(request: Request) -> Response:
         return await forward(
             request, state.settings, answer, failure_frame=error_frame, render_error=error_response
         )
-    body = validate_body(data, EmbeddingsRequest)
-    inputs = body.inputs()
     lease = await state.dispatcher.acquire(body.model)
     try:
         result = await lease.embed(inputs, truncate=False, dimensions=body.dimensions)
