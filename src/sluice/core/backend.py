@@ -19,6 +19,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+import numpy.typing as npt
+
 from sluice.core.events import Event
 from sluice.core.request import GenerationRequest
 
@@ -71,11 +74,16 @@ class Backend(Protocol):
         ...
 
 
+Vector = npt.NDArray[np.float32]  # one embedding
+
+
 @dataclass(frozen=True, slots=True)
 class Embeddings:
     """One vector per input (L2-normalized), and the tokens they took."""
 
-    vectors: list[list[float]]
+    # A row per input, float32 (what the models compute): JSON writes each value in
+    # the shortest form that reads back as the same float32, base64 its bytes.
+    vectors: npt.NDArray[np.float32]
     prompt_tokens: int
 
 

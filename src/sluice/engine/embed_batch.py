@@ -19,7 +19,9 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 
-Decode = Callable[[list[list[int]]], list[list[float]]]
+from sluice.core.backend import Vector
+
+Decode = Callable[[list[list[int]]], list[Vector]]
 
 
 class _Job:
@@ -27,7 +29,7 @@ class _Job:
 
     def __init__(self, inputs: Sequence[list[int]]) -> None:
         self.inputs = list(inputs)
-        self.results: list[list[float] | None] = [None] * len(self.inputs)
+        self.results: list[Vector | None] = [None] * len(self.inputs)
         self.next = 0  # the first input not taken into a decode yet
         self.waiting = len(self.inputs)  # inputs without a vector yet
         self.error: BaseException | None = None
@@ -44,7 +46,7 @@ class EmbedBatcher:
         self._busy = False
         self.decodes = 0  # decodes run (tests and logs)
 
-    def embed(self, inputs: Sequence[list[int]]) -> list[list[float]]:
+    def embed(self, inputs: Sequence[list[int]]) -> list[Vector]:
         """One vector per input, in order (each input at most ``max_tokens`` tokens)."""
         job = _Job(inputs)
         with self._cond:
@@ -65,7 +67,7 @@ class EmbedBatcher:
         self._busy = True
         self._cond.release()
         error: BaseException | None = None
-        vectors: list[list[float]] = []
+        vectors: list[Vector] = []
         try:
             vectors = self._decode([job.inputs[i] for job, i in taken])
             self.decodes += 1

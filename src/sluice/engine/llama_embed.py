@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from sluice.core.backend import Vector
 from sluice.core.errors import ModelLoadFailed
 from sluice.engine.embed_batch import EmbedBatcher
 from sluice.engine.llama_runner import LlamaRunner, _llama
@@ -103,12 +104,12 @@ class LlamaEmbedder:
             )
         return cls(runner, ctx, n_ctx, pooling)
 
-    def embed(self, inputs: Sequence[list[int]]) -> list[list[float]]:
+    def embed(self, inputs: Sequence[list[int]]) -> list[Vector]:
         """One L2-normalized vector per input (token ids; each 1 to ``n_ctx`` of them,
         which the caller checked); concurrent calls share decodes (``EmbedBatcher``)."""
         return self._batcher.embed(inputs)
 
-    def _decode(self, group: list[list[int]]) -> list[list[float]]:
+    def _decode(self, group: list[list[int]]) -> list[Vector]:
         L, batch = self._L, self._batch
         i = 0
         for seq, tokens in enumerate(group):
@@ -132,9 +133,9 @@ class LlamaEmbedder:
             vec = np.ctypeslib.as_array(
                 ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), (self.n_embd,)
             )
-            v = vec.astype(np.float64)
+            v = vec.astype(np.float64)  # a copy: the next decode reuses the buffer
             norm = float(np.linalg.norm(v))
-            vectors.append((v / norm if norm > 0 else v).tolist())
+            vectors.append((v / norm if norm > 0 else v).astype(np.float32))
         return vectors
 
     def close(self) -> None:

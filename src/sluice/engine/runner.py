@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from sluice.core.backend import Vector
 from sluice.core.events import TokenLogprob
 from sluice.core.request import SamplingParams
 
@@ -58,7 +59,7 @@ class Embedder(Protocol):
     pooling: str  # mean | cls | last | ...
     bytes: int  # the memory it holds (its KV cells and its batch's buffers), estimated
 
-    def embed(self, inputs: Sequence[list[int]]) -> list[list[float]]:
+    def embed(self, inputs: Sequence[list[int]]) -> Sequence[Vector | Sequence[float]]:
         """One L2-normalized vector per input (token ids)."""
         ...
 

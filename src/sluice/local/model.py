@@ -18,13 +18,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 
 from sluice.config import Settings
 from sluice.core.backend import Embeddings, LoadOptions, MemoryRoom, Progress, StreamMeta
@@ -73,13 +75,13 @@ class ModelSettings:
         )
 
 
-def shorten(vector: list[float], dimensions: int | None) -> list[float]:
-    """The first ``dimensions`` values, normalized again (Matryoshka-style)."""
-    if dimensions is None or dimensions >= len(vector):
-        return vector
-    head = vector[:dimensions]
-    norm = math.sqrt(sum(x * x for x in head))
-    return [x / norm for x in head] if norm > 0 else head
+def shorten(vectors: npt.NDArray[np.float32], dimensions: int | None) -> npt.NDArray[np.float32]:
+    """Each row's first ``dimensions`` values, normalized again (Matryoshka-style)."""
+    if dimensions is None or dimensions >= vectors.shape[1]:
+        return vectors
+    head = vectors[:, :dimensions].astype(np.float64)
+    norms = np.linalg.norm(head, axis=1, keepdims=True)
+    return (head / np.where(norms > 0, norms, 1.0)).astype(np.float32)
 
 
 class LocalStream:
@@ -258,7 +260,8 @@ class LocalModel:
                             param="input",
                         )
                 vectors = embedder.embed(batch)
-            return Embeddings([shorten(v, dimensions) for v in vectors], sum(len(t) for t in batch))
+            rows = np.asarray(vectors, dtype=np.float32).reshape(len(batch), -1)
+            return Embeddings(shorten(rows, dimensions), sum(len(t) for t in batch))
 
         # Not on the prepare workers: a long batch would hold one while chat requests
         # wait to be prepared, and concurrent requests must reach the batcher together.

@@ -27,6 +27,8 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from sluice.core.backend import Embeddings, StreamMeta
 from sluice.core.errors import (
     SluiceError,
@@ -174,7 +176,9 @@ class UpstreamModel:
         try:
             answer = json.loads(content)
             data = sorted(answer["data"], key=lambda d: d["index"])
-            vectors = [[float(x) for x in d["embedding"]] for d in data]
+            vectors = np.asarray(
+                [[float(x) for x in d["embedding"]] for d in data], dtype=np.float32
+            )
             tokens = int((answer.get("usage") or {}).get("prompt_tokens") or 0)
         except (ValueError, KeyError, TypeError) as exc:
             raise UpstreamMalformed(

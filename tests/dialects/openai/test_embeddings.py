@@ -41,7 +41,13 @@ def test_openai_embeddings_float_base64_and_usage() -> None:
         np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4").tolist()
         for d in b64.json()["data"]
     ]
-    assert np.allclose(decoded, vectors, atol=1e-6)
+    # The floats are the float32 values base64 carries, each in its shortest form
+    # (at most 9 significant digits, not the 17 of a float64 repr).
+    assert np.array(vectors, dtype=np.float32).tobytes() == np.array(decoded, "<f4").tobytes()
+    numbers = re.findall(rb"-?[0-9.]+(?:e-?[0-9]+)?", floats.content.split(b'"embedding":')[1])
+    assert numbers and all(
+        len(n.lstrip(b"-0.").replace(b".", b"").split(b"e")[0]) <= 9 for n in numbers
+    )
     assert one.json()["data"][0]["embedding"] == vectors[0]
     assert len(ids.json()["data"]) == 1 and ids.json()["usage"]["prompt_tokens"] == 3
 
