@@ -13,6 +13,7 @@ from sluice.models.catalog import (
     ConfigError,
     ModelSpec,
     default_spec,
+    delete_from_models_dir,
     discover,
     load_config,
     packaged_specs,
@@ -350,3 +351,22 @@ def test_default_spec_unknown(tmp_path: Path) -> None:
         default_spec(Settings(model="nope"), specs)
     with pytest.raises(EngineFailure, match="No model"):
         default_spec(Settings(model=str(tmp_path / "missing.gguf")), specs)
+
+
+def test_delete_takes_every_shard_and_the_folders_left_empty(tmp_path: Path) -> None:
+    folder = tmp_path / "org" / "big"
+    folder.mkdir(parents=True)
+    for i in (1, 2, 3):
+        (folder / f"big-{i:05d}-of-00003.gguf").write_bytes(b"x" * 10)
+    (tmp_path / "org" / "keep.gguf").write_bytes(b"k")
+    other = tmp_path / "org" / "big-00002-of-00003.gguf"  # another folder: not a sibling
+    other.write_bytes(b"o")
+    (spec,) = [s for s in scan_models_dir(tmp_path) if s.name == "big"]
+    assert delete_from_models_dir(spec, tmp_path) == 30
+    assert not folder.exists() and (tmp_path / "org" / "keep.gguf").exists() and other.exists()
+    assert [s.name for s in scan_models_dir(tmp_path)] == ["keep"]
+    with pytest.raises(ValueError, match="not a file in the models folder"):
+        delete_from_models_dir(ModelSpec("x", str(tmp_path / "org" / "keep.gguf")), tmp_path)
+    outside = ModelSpec("y", "/elsewhere/y.gguf", "models_dir")
+    with pytest.raises(ValueError, match="not a file in the models folder"):
+        delete_from_models_dir(outside, tmp_path)

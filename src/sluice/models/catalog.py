@@ -140,6 +140,39 @@ def scan_models_dir(path: str | os.PathLike[str]) -> list[ModelSpec]:
     return [ModelSpec(name, str(f.absolute()), "models_dir") for f, name in zip(files, names)]
 
 
+def delete_from_models_dir(spec: ModelSpec, root: str | os.PathLike[str]) -> int:
+    """Delete a models-folder model's file (every shard of a split one), then the
+    folders it leaves empty below ``root``; the bytes freed. A symlink is removed,
+    not its target. Blocking (file system)."""
+    base = Path(root).expanduser().absolute()
+    first = Path(spec.source)
+    if spec.origin != "models_dir" or not first.is_relative_to(base):
+        raise ValueError(f"'{spec.name}' is not a file in the models folder {base}")
+    files = [first]
+    shard = _SHARD.search(first.name.removesuffix(".gguf"))
+    if shard is not None:
+        stem = _model_stem(first.name)
+        count = int(shard.group(2))
+        files += [
+            first.with_name(f"{stem}-{i:05d}-of-{count:05d}.gguf") for i in range(2, count + 1)
+        ]
+    freed = 0
+    for f in files:
+        try:
+            freed += f.lstat().st_size
+            f.unlink()
+        except FileNotFoundError:
+            continue
+    folder = first.parent
+    while folder != base and folder.is_relative_to(base):
+        try:
+            folder.rmdir()  # only if empty
+        except OSError:
+            break
+        folder = folder.parent
+    return freed
+
+
 def _model_files(root: Path) -> Iterable[Path]:
     # os.walk ignores unreadable folders and a missing root (an empty list).
     for folder, dirs, files in os.walk(root):

@@ -34,6 +34,7 @@ from sluice.dialects.lmstudio import chat as lmstudio_chat
 from sluice.dialects.lmstudio import routes as lmstudio
 from sluice.dialects.ollama import format as ollama_format
 from sluice.dialects.ollama import routes as ollama
+from sluice.dialects.ollama.routes import NOT_SERVED
 from sluice.dialects.openai import embeddings as openai_embeddings
 from sluice.dialects.openai import media as openai_media
 from sluice.dialects.openai import routes as openai
@@ -59,6 +60,10 @@ OLLAMA_PATHS = (
     "/api/embed",
     "/api/embeddings",
     "/api/pull",
+    "/api/delete",
+    "/api/create",
+    "/api/copy",
+    "/api/push",
 )
 
 # Error shapes by path prefix, for what answers before a route does (the keys, an
@@ -200,6 +205,8 @@ def create_app(
             Route("/api/ps", ollama.ps, methods=["GET"]),
             Route("/api/embed", ollama.embed, methods=["POST"]),
             Route("/api/pull", ollama.pull, methods=["POST"]),
+            Route("/api/delete", ollama.delete, methods=["DELETE"]),
+            *(Route(f"/api/{verb}", ollama.not_served, methods=["POST"]) for verb in NOT_SERVED),
             Route("/api/embeddings", ollama.embeddings_legacy, methods=["POST"]),
             Route("/v1/embeddings", openai_embeddings.embeddings, methods=["POST"]),
             *(

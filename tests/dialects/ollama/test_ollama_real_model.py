@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import ollama
 import pytest
 
-from tests.support.real_server import wait_idle
-from tests.support.servers import gateway_in_front
+from sluice.models.catalog import resolve_model
+from tests.support.real_server import QUIET, wait_idle
+from tests.support.servers import gateway_in_front, serve_process
 
 pytestmark = pytest.mark.integration
 
@@ -110,3 +112,32 @@ def test_discovery_through_a_gateway_lists_upstream_models(gateway: str) -> None
     c = ollama.Client(host=gateway, timeout=60)
     assert "up-smollm2" in [m.model for m in c.list().models]
     assert "tools" in (c.show("up-smollm2").capabilities or [])
+
+
+def test_delete_a_model_file_of_the_models_folder(tmp_path: Path) -> None:
+    """A file in the models folder is unloaded and deleted (a symlink, not its target);
+    packaged models, unknown names and Ollama's Modelfile routes are refused."""
+    packaged = resolve_model("smollm2").path
+    folder = tmp_path / "me" / "tiny"
+    folder.mkdir(parents=True)
+    (folder / "mine.gguf").symlink_to(packaged)
+    env = {"SLUICE_MODELS_DIR": str(tmp_path)}
+    with serve_process("--parallel", "1", "--ctx", "256", *QUIET, env=env) as url:
+        client = ollama.Client(host=url, timeout=120)
+        assert "mine" in [m.model for m in client.list().models]
+        assert client.generate(model="mine", prompt="Hi", options={"num_predict": 2}).done
+        assert "mine" in [m.model for m in client.ps().models]
+        assert client.delete("mine:latest").status == "success"
+        assert "mine" not in [m.model for m in client.list().models]
+        assert "mine" not in [m.model for m in client.ps().models]
+        assert not (tmp_path / "me").exists() and packaged.is_file()
+        with pytest.raises(ollama.ResponseError) as missing:
+            client.delete("mine")
+        assert missing.value.status_code == 404
+        with pytest.raises(ollama.ResponseError) as ours:
+            client.delete("smollm2-135m-instruct")
+        assert ours.value.status_code == 400 and "packaged model" in ours.value.error
+        with pytest.raises(ollama.ResponseError) as copy:
+            client.copy("smollm2-135m-instruct", "other")
+        assert copy.value.status_code == 400 and "aliases" in copy.value.error
+        assert client.generate(model="smollm2-135m-instruct", prompt="Hi").done

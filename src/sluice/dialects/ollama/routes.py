@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from datetime import UTC, datetime
@@ -38,8 +39,9 @@ from urllib.parse import urlsplit
 from starlette.requests import Request
 from starlette.responses import Response
 
+from sluice.config import default_models_dir
 from sluice.core.backend import LoadOptions, ResponseStream
-from sluice.core.errors import DownloadFailed, InvalidRequest, as_sluice_error
+from sluice.core.errors import DownloadFailed, InvalidRequest, ModelNotFound, as_sluice_error
 from sluice.core.events import ErrorEvent
 from sluice.core.model import ModelSpec
 from sluice.core.request import SamplerDefaults
@@ -52,6 +54,7 @@ from sluice.dialects.ollama.format import (
 )
 from sluice.dialects.ollama.schema import (
     ChatRequest,
+    DeleteRequest,
     EmbedRequest,
     GenerateRequest,
     PullRequest,
@@ -59,6 +62,7 @@ from sluice.dialects.ollama.schema import (
     parse,
 )
 from sluice.local.model import LocalModel
+from sluice.models.catalog import delete_from_models_dir
 from sluice.models.dispatch import SlotLease
 from sluice.models.files import ModelFile, read_all_model_files, reasoning_capability
 from sluice.server.body import read_request_body
@@ -70,6 +74,8 @@ from sluice.upstream.backend import slot_header
 
 # The Ollama API version sluice answers like (/api/version): clients compare it
 # against the minimum they need (VS Code Copilot's Ollama provider wants >= 0.6.4).
+log = logging.getLogger("sluice.api")
+
 OLLAMA_API_VERSION = "0.12.6"
 # How often a pull's progress line may come (while bytes arrive).
 PULL_PROGRESS_SECONDS = 0.5
@@ -368,6 +374,63 @@ async def show(request: Request) -> Response:
             "modified_at": _local_entry(spec, file)["modified_at"],
         }
     )
+
+
+@errors_as(error_response)
+async def delete(request: Request) -> Response:
+    """``DELETE /api/delete``: a model file in the models folder (a download, or one put
+    there) is unloaded if loaded, then deleted; packaged, config-file and upstream
+    models are not the server's to delete (400)."""
+    state = server_state(request)
+    data = await read_json(request)
+    if data is None:
+        return Response(status_code=CLIENT_GONE)
+    name = parse(data, DeleteRequest).model_name().removesuffix(":latest")
+    root = Path(state.settings.models_dir or default_models_dir()).expanduser()
+    target = state.dispatcher.upstream(name)
+    if target is not None:
+        raise InvalidRequest(
+            f"'{name}' is served by the upstream slot '{target.slot.name}': sluice deletes "
+            f"only model files in its models folder ({root}).",
+            param="model",
+        )
+    spec = state.registry.find(name)
+    if spec is None:
+        state.registry.known()  # a file may have arrived since the last scan
+        spec = state.registry.find(name)
+    if spec is None:
+        raise ModelNotFound(name)
+    if spec.origin != "models_dir":
+        where = {"packaged": "a packaged model", "config": "an entry of the config file"}
+        raise InvalidRequest(
+            f"'{name}' is {where.get(spec.origin, 'a model given by its path')}: sluice "
+            f"deletes only model files in its models folder ({root}).",
+            param="model",
+        )
+    if state.registry.get_loaded(spec.name) is not None:
+        await state.registry.unload(spec.name)  # requests in flight end with an error
+    freed = await state.offload.run(lambda: delete_from_models_dir(spec, root))
+    state.registry.known()  # forget it now, not at the next scan
+    log.info("deleted '%s' (%d MiB) from %s", spec.name, freed >> 20, root)
+    return Response(status_code=200)
+
+
+# What Ollama's management routes do that sluice does not, and what to do instead.
+NOT_SERVED = {
+    "create": "sluice does not build models from a Modelfile: put the GGUF file in the "
+    "models folder, or give it a [[models]] entry in the config file (its chat_template, "
+    "sampling defaults, aliases and context).",
+    "copy": "sluice does not copy models: give a model another name with 'aliases' in its "
+    "[[models]] entry in the config file.",
+    "push": "sluice does not push models to a registry.",
+}
+
+
+@errors_as(error_response)
+async def not_served(request: Request) -> Response:
+    """``POST /api/create``, ``/api/copy``, ``/api/push``: a 400 that says what to do
+    instead."""
+    raise InvalidRequest(NOT_SERVED[request.url.path.removeprefix("/api/")])
 
 
 # -- embeddings -----------------------------------------------------------------------------

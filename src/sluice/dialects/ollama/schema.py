@@ -225,29 +225,30 @@ class EmbedRequest(_KeepAlive):
         return [self.input] if isinstance(self.input, str) else list(self.input)
 
 
-class PullRequest(_Wire):
+class _Named(_Wire):
+    """A request naming one model: ``model``, or ``name`` (the older spelling)."""
+
     model: str | None = None
-    name: str | None = None  # the older spelling
+    name: str | None = None
+
+    def model_name(self) -> str:
+        name = self.model or self.name
+        if not name:
+            raise InvalidRequest("'model' is required", param="model")
+        return name
+
+
+class PullRequest(_Named):
     stream: bool = True
     insecure: bool = False  # accepted; TLS is checked all the same
 
-    def model_name(self) -> str:
-        name = self.model or self.name
-        if not name:
-            raise InvalidRequest("'model' is required", param="model")
-        return name
 
-
-class ShowRequest(_Wire):
-    model: str | None = None
-    name: str | None = None  # the older spelling
+class ShowRequest(_Named):
     verbose: bool = False
 
-    def model_name(self) -> str:
-        name = self.model or self.name
-        if not name:
-            raise InvalidRequest("'model' is required", param="model")
-        return name
+
+class DeleteRequest(_Named):
+    pass
 
 
 def _template_message(m: Message, index: int) -> dict[str, Any]:
