@@ -70,11 +70,64 @@ def test_stateful_or_random_sampling_keeps_llamas_chain(runner: LlamaRunner) -> 
     for params in (
         SamplingParams(temperature=0.7, seed=1),
         SamplingParams(temperature=0.0, repeat_penalty=1.3),
-        SamplingParams(temperature=0.0, grammar='root ::= "a"'),
     ):
         sampler = runner.new_sampler(params, [1, 2, 3])
         assert sampler.ptr is not None, params
         runner.free_sampler(sampler)
+    # A grammar is never in the chain: it checks the chain's choice (the gate).
+    sampler = runner.new_sampler(SamplingParams(temperature=0.0, grammar='root ::= "a"'), [1])
+    assert sampler.ptr is None and sampler.gate is not None
+    runner.free_sampler(sampler)
+
+
+def llama_grammar_chain(runner: LlamaRunner, grammar: str, params: SamplingParams) -> _Chain:
+    """llama.cpp's grammar sampler at the head of the chain (a pass over the whole
+    vocabulary every token), then the request's samplers: what sluice did before."""
+    L: Any = runner._L
+    chain = runner._chain(params, [], [])
+    head = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+    L.llama_sampler_chain_add(
+        head, L.llama_sampler_init_grammar(runner._vocab, grammar.encode(), b"root")
+    )
+    while L.llama_sampler_chain_n(chain) > 0:
+        L.llama_sampler_chain_add(head, L.llama_sampler_chain_remove(chain, 0))
+    L.llama_sampler_free(chain)
+    return _Chain(head)
+
+
+JSON_GRAMMAR = r"""root ::= "{" ws "\"name\":" ws str "," ws "\"age\":" ws num ws "}"
+str ::= "\"" [a-zA-Z ]{1,12} "\""
+num ::= [1-9] [0-9]?
+ws ::= [ \n]?"""
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, repeat_penalty=1.2),
+        SamplingParams(temperature=0.0, logit_bias=((90, -5.0),)),
+    ],
+    ids=["greedy", "penalties", "bias"],
+)
+def test_checking_the_chosen_token_picks_what_the_whole_pass_picks(
+    runner: LlamaRunner, params: SamplingParams
+) -> None:
+    """Sample first, ask the grammar about that token only, and pass over the whole
+    vocabulary only when it is rejected: greedy, that is exactly the token a grammar
+    at the head of the chain gives, with far fewer passes."""
+    prompt = "A person, as JSON:"
+    gated = dataclasses.replace(params, grammar=JSON_GRAMMAR)
+    checks, rejections = runner.grammar_checks, runner.grammar_rejections
+    text, _ = generate(runner, gated, prompt, 40)
+    reference = llama_grammar_chain(runner, JSON_GRAMMAR, params)
+    want, _ = generate_with(runner, reference, prompt, 40)
+    assert text == want and text.startswith("{") and text.endswith("}"), (text, want)
+    n_checks = runner.grammar_checks - checks
+    n_rejected = runner.grammar_rejections - rejections
+    # A check per token, the end included; a pass only for the tokens refused (the
+    # end of generation at least: the model would go on).
+    assert n_checks >= 10 and 0 < n_rejected < n_checks / 2, (n_checks, n_rejected)
 
 
 def test_a_quiet_prompt_chunk_goes_in_a_decode_of_its_own() -> None:
@@ -129,7 +182,12 @@ def generate(runner: LlamaRunner, params: SamplingParams, text: str, n: int) -> 
     """Up to ``n`` tokens after ``text`` (sequence 0), sampled with ``params``; the
     text and the sampler (freed), the cache cleared."""
     prompt = runner.tokenize(text, add_special=False)
-    sampler = runner.new_sampler(params, prompt)
+    return generate_with(runner, runner.new_sampler(params, prompt), text, n)
+
+
+def generate_with(runner: LlamaRunner, sampler: Any, text: str, n: int) -> tuple[str, Any]:
+    """:func:`generate` with a sampler made by the caller (freed here)."""
+    prompt = runner.tokenize(text, add_special=False)
     out = b""
     try:
         runner.decode([BatchEntry(0, prompt, 0)])

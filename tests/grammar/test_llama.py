@@ -60,14 +60,14 @@ class Judge:
                 cells[0].id, cells[0].logit, cells[0].p = token, 1.0, 0.0
                 cells[1].id, cells[1].logit, cells[1].p = self.eos, 0.0, 0.0
                 arr = L.llama_token_data_array(cells, 2, -1, False)
-                L.llama_sampler_apply(chain.ptr, ctypes.byref(arr))
+                L.llama_sampler_apply(chain.gate, ctypes.byref(arr))
                 return bool(cells[0].logit != float("-inf"))
 
             for byte in text.encode():
                 token = self.byte_token[byte]
                 if not allowed(token):
                     return False
-                L.llama_sampler_accept(chain.ptr, token)
+                L.llama_sampler_accept(chain.gate, token)
             return allowed(self.eos)
         finally:
             self.runner.free_sampler(chain)

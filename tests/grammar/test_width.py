@@ -413,7 +413,7 @@ class Sampling:
         chain = runner.new_sampler(SamplingParams(grammar=grammar, temperature=0), [])
         try:
             for token in runner.tokenize(prefix, add_special=False, parse_special=False):
-                L.llama_sampler_accept(chain.ptr, token)
+                L.llama_sampler_accept(chain.gate, token)
             best = float("inf")
             n = runner.n_vocab
             for _ in range(reps):
@@ -421,7 +421,7 @@ class Sampling:
                 ctypes.memmove(cells, self.cells, ctypes.sizeof(cells))
                 arr = L.llama_token_data_array(cells, n, -1, False)
                 t = time.perf_counter()
-                L.llama_sampler_apply(chain.ptr, ctypes.byref(arr))
+                L.llama_sampler_apply(chain.gate, ctypes.byref(arr))
                 best = min(best, time.perf_counter() - t)
             assert any(cells[i].logit != float("-inf") for i in range(n)), prefix
             return best

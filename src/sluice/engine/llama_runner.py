@@ -72,6 +72,8 @@ _GIL_HELD = (
     "llama_memory_seq_cp",
     "llama_memory_seq_pos_max",
     "llama_memory_seq_rm",
+    "llama_sampler_accept",
+    "llama_sampler_apply",
     "llama_state_seq_get_data",
     "llama_state_seq_get_size",
     "llama_state_seq_set_data",
@@ -273,6 +275,17 @@ def _c_bytes(data: bytearray) -> Any:
     return (ctypes.c_uint8 * len(data)).from_buffer(data)
 
 
+# llama.cpp's llama_token_data, for numpy-filled candidate arrays.
+_TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
+
+
+def _token_data_array(L: Any, buf: npt.NDArray[Any]) -> Any:
+    """A ``llama_token_data_array`` over ``buf``'s memory (which must outlive it)."""
+    assert buf.dtype.itemsize == ctypes.sizeof(L.llama_token_data)
+    data = ctypes.cast(buf.ctypes.data, ctypes.POINTER(L.llama_token_data))
+    return L.llama_token_data_array(data=data, size=len(buf), selected=-1, sorted=False)
+
+
 class _Chain:
     """A sampler chain handle (a pointer owned by llama.cpp), or greedy without one.
 
@@ -287,7 +300,17 @@ class _Chain:
     need is made only when the argmax is a biased token.
     """
 
-    __slots__ = ("bias", "biased", "biases", "grammar", "lowers_only", "ptr", "scan", "tokens")
+    __slots__ = (
+        "bias",
+        "biased",
+        "biases",
+        "gate",
+        "grammar",
+        "lowers_only",
+        "ptr",
+        "scan",
+        "tokens",
+    )
 
     def __init__(self, ptr: Any, biases: list[tuple[int, float]] | None = None) -> None:
         self.ptr = ptr  # None: greedy, done in LlamaRunner.sample
@@ -295,8 +318,12 @@ class _Chain:
         self.bias: tuple[npt.NDArray[np.intp], npt.NDArray[np.float32]] | None = None
         self.biased: frozenset[int] = frozenset()
         self.lowers_only = True
-        # A lazy grammar not engaged yet: llama.cpp's sampler, kept out of the chain
-        # while `scan` watches the output for its trigger (see sluice.engine.trigger),
+        # The grammar sampler that constrains the output, beside the chain (never in
+        # it): the token the chain picks is checked against it alone, and only a
+        # rejected one costs a pass over the vocabulary (LlamaRunner._sample_gated).
+        self.gate: Any = None
+        # A lazy grammar not engaged yet: llama.cpp's sampler, kept aside while
+        # `scan` watches the output for its trigger (see sluice.engine.trigger),
         # and the tokens sampled so far (the tail from the trigger is fed to it).
         self.grammar: Any = None
         self.scan: TriggerScanner | None = None
@@ -342,6 +369,15 @@ class LlamaRunner:
         self._unsettled: set[int] = set()
         self._batch = L.llama_batch_init(self.n_batch, 0, 1)
         self._logits_row = ctypes.c_float * self.n_vocab
+        # Candidate arrays for constrained sampling (engine thread): the vocabulary,
+        # and one token to check against a grammar.
+        self._cand = np.zeros(self.n_vocab, dtype=_TOKEN_DATA)
+        self._cand_ids = np.arange(self.n_vocab, dtype=np.int32)
+        self._cand_arr = _token_data_array(L, self._cand)
+        self._one = np.zeros(1, dtype=_TOKEN_DATA)
+        self._one_arr = _token_data_array(L, self._one)
+        self.grammar_checks = 0  # tokens checked against a grammar (tests, stats)
+        self.grammar_rejections = 0  # of those, rejected: a full pass was needed
         self._rows: dict[int, int] | None = None  # batch row -> row of the last llama_decode
         self._piece_buf = ctypes.create_string_buffer(_PIECE_BUF)
         self._pieces: dict[int, bytes] = {}
@@ -595,15 +631,16 @@ class LlamaRunner:
                     "The constraint grammar for this request could not be built "
                     "(see the server log for llama.cpp's reason)."
                 )
-        deferred = grammar is not None and bool(params.grammar_trigger_words)
         penalties_on = params.uses_penalties and params.penalty_last_n != 0
-        if (params.temperature or 0.0) <= 0 and (grammar is None or deferred) and not penalties_on:
+        if (params.temperature or 0.0) <= 0 and not penalties_on:
             sampler = _Chain(None, biases)
         else:
-            sampler = _Chain(self._chain(params, prompt, biases, None if deferred else grammar))
-        if deferred:
+            sampler = _Chain(self._chain(params, prompt, biases))
+        if grammar is not None and params.grammar_trigger_words:
             sampler.grammar = grammar
             sampler.scan = TriggerScanner(params.grammar_triggers, params.grammar_trigger_words)
+        elif grammar is not None:
+            sampler.gate = grammar
         return sampler
 
     def _chain(
@@ -611,14 +648,11 @@ class LlamaRunner:
         params: SamplingParams,
         prompt: list[int],
         biases: list[tuple[int, float]],
-        grammar: Any,
     ) -> Any:
         L = self._L
         chain_params = L.llama_sampler_chain_default_params()
         chain_params.no_perf = True
         chain = L.llama_sampler_chain_init(chain_params)
-        if grammar is not None:
-            L.llama_sampler_chain_add(chain, grammar)
         if biases:
             L.llama_sampler_chain_add(chain, self._bias_sampler(biases))
         if params.uses_penalties and params.penalty_last_n != 0:
@@ -679,31 +713,15 @@ class LlamaRunner:
         )
 
     def _engage(self, sampler: _Chain, tail: list[int]) -> None:
-        """A trigger matched: put the lazy grammar at the head of the chain.
+        """A trigger matched: the lazy grammar constrains the output from now on.
 
         llama.cpp's lazy sampler gets the tokens from the one the match's capture
-        begins in (it finds the same match in them and accepts the capture on), and
-        the chain's other samplers move behind it with their state (penalty
-        history, random generator). A chainless greedy sampler gets its chain now.
+        begins in (it finds the same match in them and accepts the capture on).
         """
-        L = self._L
         grammar, sampler.grammar, sampler.scan, sampler.tokens = sampler.grammar, None, None, []
         for token in tail:
-            L.llama_sampler_accept(grammar, token)
-        chain_params = L.llama_sampler_chain_default_params()
-        chain_params.no_perf = True
-        chain = L.llama_sampler_chain_init(chain_params)
-        L.llama_sampler_chain_add(chain, grammar)
-        old = sampler.ptr
-        if old is not None:
-            while L.llama_sampler_chain_n(old) > 0:
-                L.llama_sampler_chain_add(chain, L.llama_sampler_chain_remove(old, 0))
-            L.llama_sampler_free(old)
-        else:
-            if sampler.biases:
-                L.llama_sampler_chain_add(chain, self._bias_sampler(sampler.biases))
-            L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
-        sampler.ptr = chain
+            self._L.llama_sampler_accept(grammar, token)
+        sampler.gate = grammar
 
     def free_sampler(self, sampler: Any) -> None:
         assert isinstance(sampler, _Chain)
@@ -713,6 +731,9 @@ class LlamaRunner:
         if sampler.grammar:
             self._L.llama_sampler_free(sampler.grammar)
             sampler.grammar = None
+        if sampler.gate:
+            self._L.llama_sampler_free(sampler.gate)
+            sampler.gate = None
 
     # -- engine thread only --------------------------------------------------
 
@@ -827,7 +848,9 @@ class LlamaRunner:
     def sample(self, sampler: Any, row: int) -> int:
         if self._rows is not None:
             row = self._rows[row]
-        if sampler.ptr is not None:
+        if sampler.gate is not None:
+            token = self._sample_gated(sampler, row)
+        elif sampler.ptr is not None:
             token = int(self._L.llama_sampler_sample(sampler.ptr, self._ctx, row))
         else:
             token = self._argmax(sampler, row)
@@ -837,6 +860,50 @@ class LlamaRunner:
             if first is not None:
                 self._engage(sampler, sampler.tokens[first:])
         return token
+
+    def _sample_gated(self, sampler: _Chain, row: int) -> int:
+        """Sample first, then ask the grammar about the chosen token only (llama.cpp's
+        own ``common_sampler_sample``): a grammar pass over the whole vocabulary costs
+        milliseconds on a 49k-262k vocabulary, and the unconstrained choice is
+        usually one the grammar allows. Only a rejected token costs that pass, and
+        a second pick among the tokens the grammar allows. The grammar and the chain
+        then accept the token, as ``llama_sampler_sample`` would have."""
+        gate, Q = sampler.gate, self._Q
+        token = self._pick(sampler, row, None)
+        self.grammar_checks += 1
+        one = self._one
+        one[0] = (token, 0.0, 0.0)
+        arr = self._one_arr
+        arr.size, arr.selected, arr.sorted = 1, -1, False
+        Q.llama_sampler_apply(gate, ctypes.byref(arr))
+        if one["logit"][0] == -np.inf:
+            self.grammar_rejections += 1
+            token = self._pick(sampler, row, gate)
+        Q.llama_sampler_accept(gate, token)
+        if sampler.ptr is not None:
+            Q.llama_sampler_accept(sampler.ptr, token)
+        return token
+
+    def _pick(self, sampler: _Chain, row: int, gate: Any) -> int:
+        """The token the chain would sample from batch row ``row`` (no accept), among
+        those ``gate`` allows when it is given (a pass over the vocabulary)."""
+        if sampler.ptr is None and gate is None:
+            return self._argmax(sampler, row)
+        cand = self._cand
+        cand["id"] = self._cand_ids
+        cand["logit"] = self._logits(row)
+        cand["p"] = 0.0
+        arr = self._cand_arr
+        arr.size, arr.selected, arr.sorted = self.n_vocab, -1, False
+        if gate is not None:  # releases the GIL: milliseconds on a large vocabulary
+            self._L.llama_sampler_apply(gate, ctypes.byref(arr))
+        if sampler.ptr is not None:  # as llama_sampler_sample: top-k & co. release the GIL
+            self._L.llama_sampler_apply(sampler.ptr, ctypes.byref(arr))
+            return int(arr.data[arr.selected].id)
+        logits = cand["logit"]
+        if sampler.bias is not None:
+            np.add.at(logits, *sampler.bias)
+        return int(cand["id"][int(logits.argmax())])
 
     def _argmax(self, sampler: _Chain, row: int) -> int:
         logits = self._logits(row)
