@@ -11,11 +11,17 @@ the whole run (the one not measured idles):
 * llama-server (``harness/llama_build.py``: built from the llama.cpp that the pinned
   llama-cpp-python vendors, cached): ``-t T -np 4 -c 16384 --jinja`` (``--jinja`` so
   that it takes ``tools``), its OpenAI-compatible ``POST /v1/chat/completions``; its own
-  JSON-schema-to-grammar converter and tool-call grammar. Its chat parser derives the
-  tool-call format from the chat template, and SmolLM2's has none: it then drops
-  ``tools`` and ``tool_choice`` (no grammar, no tool prompt) and answers in plain text,
-  which the checks name. ``--llama-args '--chat-template-file F'`` gives it a template
-  with tool calls.
+  JSON-schema-to-grammar converter. Its tool-call grammar never engages on this model:
+  its chat parser derives the tool-call format from the chat template and finds none in
+  SmolLM2's, nor (tried) with the vendored Qwen 2.5, Qwen 3 or Hermes 2 Pro templates
+  given by ``--chat-template-file``: it drops ``tools`` and ``tool_choice`` and answers
+  in plain text. So for the ``tool`` workload llama-server gets the same call as a
+  ``response_format`` schema (``{"name": "get_weather", "arguments": {...}}``, the
+  constraint its tool grammar would apply to the call's JSON), and its answer's JSON
+  is read as the call (``--llama-tools`` sends the tools as they are instead).
+  ``--template F`` gives both servers a chat template of the vendored llama.cpp's
+  ``models/templates`` (llama-server's ``--chat-template-file``, sluice's
+  ``--chat-template``); by default each uses its model's own.
 
 Workloads (``--workloads``), each a streaming chat request with ``max_tokens`` =
 ``--tokens`` (128), ``stream_options.include_usage``, a ``seed`` per request (the same
@@ -100,7 +106,7 @@ from typing import Any
 
 from harness import RESULTS, model_path
 from harness.client import CHAT, Stream, body_of, http_post, parse_sse, run_streams
-from harness.llama_build import build_info, ensure_llama_server
+from harness.llama_build import build_info, ensure_llama_server, vendored_file
 from harness.machine import Noise, loadavg, machine_info, proc_cpu_seconds
 from harness.prompts import ADJS, PEOPLE, PLACES, THINGS
 from harness.report import (
@@ -215,6 +221,40 @@ class Prompts:
                 self.seen.add(text)
                 return text
         raise SystemExit("constrained: out of prompts")
+
+
+def call_schema() -> dict[str, Any]:
+    """The ``get_weather`` call as a JSON schema: what a tool-call grammar constrains."""
+    fn = TOOLS[0]["function"]
+    return {
+        "type": "object",
+        "properties": {"name": {"const": fn["name"]}, "arguments": fn["parameters"]},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def for_side(body: dict[str, Any], side: str, llama_tools: bool) -> dict[str, Any]:
+    """``body`` as sent to ``side``: llama-server gets a tool call as a schema."""
+    if side != "llama-server" or llama_tools or "tools" not in body:
+        return body
+    out = {k: v for k, v in body.items() if k not in ("tools", "tool_choice")}
+    out["response_format"] = {
+        "type": "json_schema",
+        "json_schema": {"name": "call", "schema": call_schema()},
+    }
+    return out
+
+
+def calls_in_text(text: str) -> list[dict[str, str]]:
+    """A call answered as ``{"name": ..., "arguments": {...}}`` text (``for_side``)."""
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return []
+    if not isinstance(doc, dict) or "name" not in doc:
+        return []
+    return [{"name": str(doc["name"]), "arguments": json.dumps(doc.get("arguments"))}]
 
 
 def request_body(workload: str, prompt: str, seed: int, tokens: int) -> dict[str, Any]:
@@ -353,7 +393,10 @@ def measure(server: Server, bodies: list[dict[str, Any]]) -> dict[str, Any]:
         "ttft_s": [s.ttft if s.t_first else None for s in streams],
         "server_cpu_s": cpu,
         "texts": [a.get("text", "") for a in answers],
-        "tool_calls": [tool_calls_of(bytes(s.raw)) for s in streams],
+        "tool_calls": [
+            tool_calls_of(bytes(s.raw)) or calls_in_text(a.get("text", ""))
+            for s, a in zip(streams, answers)
+        ],
         "errors": errors,
     }
 
@@ -448,9 +491,13 @@ def tool_problem(calls: list[dict[str, str]]) -> str | None:
 
 def start_servers(args: argparse.Namespace, tmp: Path) -> dict[str, Server]:
     servers: dict[str, Server] = {}
+    template: list[str] = []
+    if args.template:
+        template = [str(vendored_file(f"models/templates/{args.template}"))]
     port = free_port()
     cmd = [*SLUICE, "--port", str(port), "--threads", str(args.threads)]
     cmd += ["--parallel", str(PARALLEL), "--ctx", str(CTX), "--log-level", "warning"]
+    cmd += ["--chat-template", *template] if template else []
     (tmp / "models").mkdir(exist_ok=True)
     servers["sluice"] = Server(
         "sluice", cmd, port, tmp / "sluice.log", env=models_env(tmp / "models")
@@ -458,6 +505,7 @@ def start_servers(args: argparse.Namespace, tmp: Path) -> dict[str, Server]:
     try:
         port = free_port()
         extra = ["--jinja", *shlex.split(args.llama_args)]
+        extra += ["--chat-template-file", *template] if template else []
         cmd = llama_server_cmd(args.llama_server, port, args.threads, PARALLEL, CTX, *extra)
         servers["llama-server"] = LlamaServer("llama-server", cmd, port, tmp / "llama.log")
     except BaseException:
@@ -776,6 +824,17 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128, help="max_tokens per stream (128)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument(
+        "--template",
+        default="",
+        help="a chat template both servers use, from the vendored llama.cpp's "
+        "models/templates (default: each its model's own)",
+    )
+    ap.add_argument(
+        "--llama-tools",
+        action="store_true",
+        help="send llama-server the tools as they are (default: the call as a schema)",
+    )
+    ap.add_argument(
         "--llama-args",
         default="",
         help="more arguments for llama-server (e.g. '--chat-template-file F': a template "
@@ -824,7 +883,7 @@ def main() -> None:
         for wl in workloads:  # warm-up: both sides, every workload, one short stream
             body = request_body(wl, prompts.take(wl), 0, 16)
             for side in SIDES:
-                measure(servers[side], [body])
+                measure(servers[side], [for_side(body, side, args.llama_tools)])
         for rnd in range(args.rounds):
             for li, n in enumerate(levels):
                 for wi, wl in enumerate(workloads):
@@ -841,8 +900,9 @@ def main() -> None:
                         srv = servers[side]
                         srv.wait_idle()
                         time.sleep(0.3)
+                        sent = [for_side(x, side, args.llama_tools) for x in bodies]
                         m, foreign, before = noise.run(
-                            lambda s=srv, b=bodies: measure(s, b),
+                            lambda s=srv, b=sent: measure(s, b),
                             args.quiet,
                             args.quiet_timeout,
                         )

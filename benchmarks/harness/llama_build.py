@@ -95,6 +95,23 @@ def _sdist(version: str) -> Path:
     return src / name
 
 
+def vendored_file(relpath: str) -> Path:
+    """A file of the llama.cpp that the pinned llama-cpp-python vendors (e.g.
+    ``models/templates/X.jinja``), extracted once from its source distribution."""
+    version, _ = dev_settings()
+    out = CACHE / "vendored" / version / relpath
+    if not out.exists():
+        sdist = _sdist(version)
+        member = f"{sdist.name.removesuffix('.tar.gz')}/vendor/llama.cpp/{relpath}"
+        with tarfile.open(sdist) as tar:
+            data = tar.extractfile(member)
+            if data is None:
+                sys.exit(f"llama_server: no {relpath} in {sdist.name}")
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_bytes(data.read())
+    return out
+
+
 def _build(version: str, flags: list[str], out: Path) -> None:
     sdist = _sdist(version)
     nice = ["nice", "-n", "19"]
