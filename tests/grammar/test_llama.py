@@ -7,7 +7,6 @@ exactly the JSON text it should, fed one single-byte token at a time.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import re
 import time
@@ -51,24 +50,17 @@ class Judge:
         return seconds
 
     def accepts(self, grammar: str, text: str) -> bool:
-        L = self.L
+        """Byte by byte through the gate the runner samples with (llguidance's)."""
         chain = self.runner.new_sampler(SamplingParams(grammar=grammar, temperature=0), [])
+        gate = chain.gate
+        assert gate is not None
         try:
-            cells = (L.llama_token_data * 2)()
-
-            def allowed(token: int) -> bool:
-                cells[0].id, cells[0].logit, cells[0].p = token, 1.0, 0.0
-                cells[1].id, cells[1].logit, cells[1].p = self.eos, 0.0, 0.0
-                arr = L.llama_token_data_array(cells, 2, -1, False)
-                L.llama_sampler_apply(chain.gate, ctypes.byref(arr))
-                return bool(cells[0].logit != float("-inf"))
-
             for byte in text.encode():
                 token = self.byte_token[byte]
-                if not allowed(token):
+                if not gate.allows(token):
                     return False
-                L.llama_sampler_accept(chain.gate, token)
-            return allowed(self.eos)
+                gate.accept(token)
+            return gate.allows(self.eos)
         finally:
             self.runner.free_sampler(chain)
 

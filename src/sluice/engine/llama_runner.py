@@ -31,6 +31,7 @@ import numpy.typing as npt
 from sluice.core.errors import InvalidRequest, ModelLoadFailed
 from sluice.core.events import TokenLogprob, TopLogprob
 from sluice.core.request import LLAMA_CPP_SAMPLING, SamplerDefaults, SamplingParams
+from sluice.engine.llg_gate import Gate, Grammars
 from sluice.engine.runner import BatchEntry, DecodeError, ModelInfo
 from sluice.engine.text import literal_regex
 from sluice.engine.trigger import TriggerScanner
@@ -73,7 +74,6 @@ _GIL_HELD = (
     "llama_memory_seq_pos_max",
     "llama_memory_seq_rm",
     "llama_sampler_accept",
-    "llama_sampler_apply",
     "llama_state_seq_get_data",
     "llama_state_seq_get_size",
     "llama_state_seq_set_data",
@@ -309,7 +309,6 @@ class _Chain:
         "lowers_only",
         "ptr",
         "scan",
-        "tokens",
     )
 
     def __init__(self, ptr: Any, biases: list[tuple[int, float]] | None = None) -> None:
@@ -318,16 +317,14 @@ class _Chain:
         self.bias: tuple[npt.NDArray[np.intp], npt.NDArray[np.float32]] | None = None
         self.biased: frozenset[int] = frozenset()
         self.lowers_only = True
-        # The grammar sampler that constrains the output, beside the chain (never in
-        # it): the token the chain picks is checked against it alone, and only a
-        # rejected one costs a pass over the vocabulary (LlamaRunner._sample_gated).
-        self.gate: Any = None
-        # A lazy grammar not engaged yet: llama.cpp's sampler, kept aside while
-        # `scan` watches the output for its trigger (see sluice.engine.trigger),
-        # and the tokens sampled so far (the tail from the trigger is fed to it).
-        self.grammar: Any = None
+        # The grammar that constrains the output (llg_gate), beside the chain: the
+        # token the chain picks is checked against it alone, and only a refused one
+        # costs a mask over the vocabulary (LlamaRunner._sample_gated).
+        self.gate: Gate | None = None
+        # A lazy grammar not engaged yet, kept aside while `scan` watches the output
+        # for its trigger (see sluice.engine.trigger).
+        self.grammar: Gate | None = None
         self.scan: TriggerScanner | None = None
-        self.tokens: list[int] = []
         if biases:
             ids = np.array([t for t, _ in biases], dtype=np.intp)
             self.bias = (ids, np.array([b for _, b in biases], dtype=np.float32))
@@ -369,13 +366,11 @@ class LlamaRunner:
         self._unsettled: set[int] = set()
         self._batch = L.llama_batch_init(self.n_batch, 0, 1)
         self._logits_row = ctypes.c_float * self.n_vocab
-        # Candidate arrays for constrained sampling (engine thread): the vocabulary,
-        # and one token to check against a grammar.
+        # The candidate array of constrained sampling (engine thread).
         self._cand = np.zeros(self.n_vocab, dtype=_TOKEN_DATA)
         self._cand_ids = np.arange(self.n_vocab, dtype=np.int32)
         self._cand_arr = _token_data_array(L, self._cand)
-        self._one = np.zeros(1, dtype=_TOKEN_DATA)
-        self._one_arr = _token_data_array(L, self._one)
+        self._grammars = Grammars(self._vocab, self.n_vocab, self._eog_tokens)
         self.grammar_checks = 0  # tokens checked against a grammar (tests, stats)
         self.grammar_rejections = 0  # of those, rejected: a full pass was needed
         self._rows: dict[int, int] | None = None  # batch row -> row of the last llama_decode
@@ -623,22 +618,18 @@ class LlamaRunner:
         biases = list(params.logit_bias)
         if params.ignore_eos:
             biases += [(t, float("-inf")) for t in self._eog_tokens()]
-        grammar = None
-        if params.grammar:
-            grammar = self._grammar_sampler(params)
-            if not grammar:
-                raise InvalidRequest(
-                    "The constraint grammar for this request could not be built "
-                    "(see the server log for llama.cpp's reason)."
-                )
+        grammar = self._grammars.gate(params.grammar) if params.grammar else None
         penalties_on = params.uses_penalties and params.penalty_last_n != 0
         if (params.temperature or 0.0) <= 0 and not penalties_on:
             sampler = _Chain(None, biases)
         else:
             sampler = _Chain(self._chain(params, prompt, biases))
-        if grammar is not None and params.grammar_trigger_words:
+        if grammar is not None and (params.grammar_triggers or params.grammar_trigger_words):
+            triggers = params.grammar_triggers or tuple(
+                rf"[\s\S]*?({re.escape(w)})[\s\S]*" for w in params.grammar_trigger_words
+            )
             sampler.grammar = grammar
-            sampler.scan = TriggerScanner(params.grammar_triggers, params.grammar_trigger_words)
+            sampler.scan = TriggerScanner(triggers, params.grammar_trigger_words)
         elif grammar is not None:
             sampler.gate = grammar
         return sampler
@@ -695,45 +686,27 @@ class LlamaRunner:
             arr[i].bias = bias
         return L.llama_sampler_init_logit_bias(self.n_vocab, len(biases), arr)
 
-    def _grammar_sampler(self, params: SamplingParams) -> Any:
-        L = self._L
-        assert params.grammar is not None
-        text = params.grammar.encode()
-        if not params.grammar_triggers:
-            return L.llama_sampler_init_grammar(self._vocab, text, b"root")
-        # With trigger words the runner finds the match itself and feeds llama.cpp
-        # only the tail from the capture's first token (see _engage), where the
-        # first occurrence of a word is the capture: a pattern that says just that.
-        triggers = [
-            rf"[\s\S]*?({re.escape(w)})[\s\S]*" for w in params.grammar_trigger_words
-        ] or list(params.grammar_triggers)
-        patterns = (ctypes.c_char_p * len(triggers))(*[p.encode() for p in triggers])
-        return L.llama_sampler_init_grammar_lazy_patterns(
-            self._vocab, text, b"root", patterns, len(triggers), None, 0
-        )
-
-    def _engage(self, sampler: _Chain, tail: list[int]) -> None:
-        """A trigger matched: the lazy grammar constrains the output from now on.
-
-        llama.cpp's lazy sampler gets the tokens from the one the match's capture
-        begins in (it finds the same match in them and accepts the capture on).
-        """
-        grammar, sampler.grammar, sampler.scan, sampler.tokens = sampler.grammar, None, None, []
-        for token in tail:
-            self._L.llama_sampler_accept(grammar, token)
-        sampler.gate = grammar
+    def _engage(self, sampler: _Chain, capture: bytes) -> None:
+        """A trigger matched: the lazy grammar constrains the output from now on, the
+        output from the match's capture on taken as its start. Output the grammar
+        does not allow leaves the rest unconstrained (llama.cpp's lazy sampler would
+        stop the server on it)."""
+        gate, sampler.grammar, sampler.scan = sampler.grammar, None, None
+        if gate is not None and gate.accept_text(capture):
+            sampler.gate = gate
+        else:
+            log.warning(
+                "a lazy grammar's trigger matched output it does not allow (%r): "
+                "the rest of the answer is not constrained",
+                capture[:80],
+            )
 
     def free_sampler(self, sampler: Any) -> None:
         assert isinstance(sampler, _Chain)
         if sampler.ptr:
             self._L.llama_sampler_free(sampler.ptr)
             sampler.ptr = None
-        if sampler.grammar:
-            self._L.llama_sampler_free(sampler.grammar)
-            sampler.grammar = None
-        if sampler.gate:
-            self._L.llama_sampler_free(sampler.gate)
-            sampler.gate = None
+        sampler.grammar = sampler.gate = None  # llguidance's: Python objects
 
     # -- engine thread only --------------------------------------------------
 
@@ -854,39 +827,32 @@ class LlamaRunner:
             token = int(self._L.llama_sampler_sample(sampler.ptr, self._ctx, row))
         else:
             token = self._argmax(sampler, row)
-        if sampler.scan is not None:
-            sampler.tokens.append(token)
-            first = sampler.scan.feed(self.token_bytes(token, special=True))
-            if first is not None:
-                self._engage(sampler, sampler.tokens[first:])
+        scan = sampler.scan
+        if scan is not None and scan.feed(self.token_bytes(token, special=True)) is not None:
+            self._engage(sampler, scan.capture)
         return token
 
     def _sample_gated(self, sampler: _Chain, row: int) -> int:
-        """Sample first, then ask the grammar about the chosen token only (llama.cpp's
-        own ``common_sampler_sample``): a grammar pass over the whole vocabulary costs
-        milliseconds on a 49k-262k vocabulary, and the unconstrained choice is
-        usually one the grammar allows. Only a rejected token costs that pass, and
-        a second pick among the tokens the grammar allows. The grammar and the chain
-        then accept the token, as ``llama_sampler_sample`` would have."""
-        gate, Q = sampler.gate, self._Q
+        """Sample first, then ask the grammar about the chosen token only (as llama.cpp's
+        own ``common_sampler_sample`` does): the unconstrained choice is usually one the
+        grammar allows. Only a refused token costs the grammar's mask and a second
+        pick among the tokens it allows. The grammar and the chain then accept the
+        token, as ``llama_sampler_sample`` would have."""
+        gate = sampler.gate
+        assert gate is not None
         token = self._pick(sampler, row, None)
         self.grammar_checks += 1
-        one = self._one
-        one[0] = (token, 0.0, 0.0)
-        arr = self._one_arr
-        arr.size, arr.selected, arr.sorted = 1, -1, False
-        Q.llama_sampler_apply(gate, ctypes.byref(arr))
-        if one["logit"][0] == -np.inf:
+        if not gate.allows(token):
             self.grammar_rejections += 1
             token = self._pick(sampler, row, gate)
-        Q.llama_sampler_accept(gate, token)
+        gate.accept(token)
         if sampler.ptr is not None:
-            Q.llama_sampler_accept(sampler.ptr, token)
+            self._Q.llama_sampler_accept(sampler.ptr, token)
         return token
 
-    def _pick(self, sampler: _Chain, row: int, gate: Any) -> int:
+    def _pick(self, sampler: _Chain, row: int, gate: Gate | None) -> int:
         """The token the chain would sample from batch row ``row`` (no accept), among
-        those ``gate`` allows when it is given (a pass over the vocabulary)."""
+        those ``gate`` allows when it is given (its mask over the vocabulary)."""
         if sampler.ptr is None and gate is None:
             return self._argmax(sampler, row)
         cand = self._cand
@@ -895,8 +861,8 @@ class LlamaRunner:
         cand["p"] = 0.0
         arr = self._cand_arr
         arr.size, arr.selected, arr.sorted = self.n_vocab, -1, False
-        if gate is not None:  # releases the GIL: milliseconds on a large vocabulary
-            self._L.llama_sampler_apply(gate, ctypes.byref(arr))
+        if gate is not None:
+            cand["logit"][~gate.allowed()] = -np.inf
         if sampler.ptr is not None:  # as llama_sampler_sample: top-k & co. release the GIL
             self._L.llama_sampler_apply(sampler.ptr, ctypes.byref(arr))
             return int(arr.data[arr.selected].id)

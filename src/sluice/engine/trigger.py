@@ -36,7 +36,7 @@ class TriggerScanner:
         scan.feed(b"_call>")  # 0: the capture begins in token 0
     """
 
-    __slots__ = ("_buf", "_longest", "_patterns", "_starts", "_words", "checks")
+    __slots__ = ("_buf", "_longest", "_patterns", "_starts", "_words", "capture", "checks")
 
     def __init__(self, patterns: list[str] | tuple[str, ...], words: tuple[str, ...] = ()) -> None:
         self._patterns = [re.compile(p.encode()) for p in patterns]
@@ -45,6 +45,7 @@ class TriggerScanner:
         self._buf = bytearray()
         self._starts: list[int] = []  # each token's first byte in _buf
         self.checks = 0  # full-pattern runs (tests count them)
+        self.capture = b""  # the output from the match's capture on, once matched
 
     def feed(self, piece: bytes) -> int | None:
         """Append one token's piece; the index of the token the match's capture
@@ -66,5 +67,6 @@ class TriggerScanner:
                     (m.start(i) for i in range(1, len(m.groups()) + 1) if m.start(i) < m.end(i)),
                     0,
                 )
+                self.capture = text[start:]
                 return bisect.bisect_right(self._starts, start) - 1
         return None
