@@ -75,7 +75,7 @@ def test_stateful_or_random_sampling_keeps_llamas_chain(runner: LlamaRunner) -> 
         assert sampler.ptr is not None, params
         runner.free_sampler(sampler)
     # A grammar is never in the chain: it checks the chain's choice (the gate).
-    sampler = runner.new_sampler(SamplingParams(temperature=0.0, grammar='root ::= "a"'), [1])
+    sampler = runner.new_sampler(SamplingParams(temperature=0.0, grammar='start: "a"'), [1])
     assert sampler.ptr is None and sampler.gate is not None
     runner.free_sampler(sampler)
 
@@ -99,6 +99,12 @@ JSON_GRAMMAR = r"""root ::= "{" ws "\"name\":" ws str "," ws "\"age\":" ws num w
 str ::= "\"" [a-zA-Z ]{1,12} "\""
 num ::= [1-9] [0-9]?
 ws ::= [ \n]?"""
+# The same language in llguidance's Lark, which the gate runs.
+JSON_LARK = r"""start: "{" ws "\"name\":" ws str "," ws "\"age\":" ws num ws "}"
+str: "\"" /[a-zA-Z ]{1,12}/ "\""
+num: /[1-9][0-9]?/
+ws: (" " | "\n")?
+"""
 
 
 @pytest.mark.parametrize(
@@ -117,7 +123,7 @@ def test_checking_the_chosen_token_picks_what_the_whole_pass_picks(
     vocabulary only when it is rejected: greedy, that is exactly the token a grammar
     at the head of the chain gives, with far fewer passes."""
     prompt = "A person, as JSON:"
-    gated = dataclasses.replace(params, grammar=JSON_GRAMMAR)
+    gated = dataclasses.replace(params, grammar=JSON_LARK)
     checks, rejections = runner.grammar_checks, runner.grammar_rejections
     text, _ = generate(runner, gated, prompt, 40)
     reference = llama_grammar_chain(runner, JSON_GRAMMAR, params)
@@ -210,7 +216,7 @@ def generate_with(runner: LlamaRunner, sampler: Any, text: str, n: int) -> tuple
 LAZY_PROMPT = "Say <tool_call> hi.\nSay <tool_call> hi.\nSay <tool_call> hi.\nSay"
 LAZY = SamplingParams(
     temperature=0.0,
-    grammar='root ::= "<tool_call> zzz qqq."',
+    grammar='start: "<tool_call> zzz qqq."',
     grammar_triggers=(r"[\s\S]*?(<tool_call>)[\s\S]*",),
     grammar_trigger_words=("<tool_call>",),
 )

@@ -1,8 +1,9 @@
-"""The grammars sluice writes, compiled and run by the real llama.cpp (SmolLM2's vocabulary).
+"""The grammars sluice writes, compiled and run by the gate the runner samples with
+(llguidance's matcher on SmolLM2's vocabulary).
 
-llama.cpp is the only judge of GBNF that counts: each grammar here must
-compile (a grammar it rejects is a failed request), quickly, and accept
-exactly the JSON text it should, fed one single-byte token at a time.
+Each grammar here must compile (a grammar the gate rejects is a failed request),
+quickly, and accept exactly the JSON text it should, fed one single-byte token
+at a time.
 """
 
 from __future__ import annotations
@@ -17,13 +18,8 @@ import pytest
 
 from sluice.core.request import SamplingParams
 from sluice.engine.llama_runner import LlamaRunner
-from sluice.grammar import (
-    DEFAULT_MAX_REPEAT,
-    CallFraming,
-    ToolSpec,
-    json_schema_grammar,
-    tool_call_grammar,
-)
+from sluice.grammar import CallFraming, ToolSpec, json_schema_grammar, tool_call_grammar
+from sluice.local.plan import FRAMINGS
 from tests.support.llama import real_runner
 
 
@@ -104,26 +100,74 @@ def test_patterns_agree_with_python(judge: Judge, pattern: str) -> None:
         assert judge.accepts(g, json.dumps({"x": s})) == bool(py.fullmatch(s)), (pattern, s)
 
 
-BUDGET = DEFAULT_MAX_REPEAT
-WORST = {
-    "maxLength": _field({"type": "string", "maxLength": BUDGET}),
-    "minLength": _field({"type": "string", "minLength": BUDGET, "maxLength": BUDGET}),
+BIG = 10**9
+HUGE = {
+    "maxLength": _field({"type": "string", "maxLength": BIG}),
+    "minLength": _field({"type": "string", "minLength": BIG}),
     "maxItems": {
         "type": "array",
         "items": {"type": "object", "properties": {"a": {"type": "integer"}}},
-        "maxItems": BUDGET,
+        "maxItems": BIG,
     },
-    "pattern": _field({"type": "string", "pattern": rf"^(ab|c[d-f]|\d){{0,{BUDGET}}}$"}),
-    "unreachable": _field({"type": "string", "maxLength": 10**9}),
+    "minItems": _field({"type": "array", "items": {"type": "integer"}, "minItems": BIG}),
+    "pattern": _field({"type": "string", "pattern": rf"^(ab|c[d-f]|\d){{0,{BIG}}}$"}),
+    "enum5000": _field({"type": "string", "enum": [f"v{i}" for i in range(5000)]}),
+    "props2000": {
+        "type": "object",
+        "properties": {f"p{i}": {"type": "integer"} for i in range(2000)},
+    },
 }
 
 
-@pytest.mark.parametrize("name", WORST)
-def test_grammars_at_the_budget_compile_quickly(judge: Judge, name: str) -> None:
+@pytest.mark.parametrize("name", HUGE)
+def test_huge_schemas_compile_quickly(judge: Judge, name: str) -> None:
+    """Bounds of 10**9 and thousands of alternatives cost llguidance nothing up front
+    (the old converter wrote 10**9 copies, or refused)."""
     t = time.perf_counter()
-    g = json_schema_grammar(WORST[name], max_output_chars=10**6)
-    assert time.perf_counter() - t < 1.0
-    assert judge.compile_seconds(g) < 0.5
+    g = json_schema_grammar(HUGE[name])
+    assert time.perf_counter() - t < 1.0 and len(g) < 200_000
+    assert judge.compile_seconds(g) < 1.0
+
+
+def test_a_huge_maximum_is_kept_and_a_small_one_exact(judge: Judge) -> None:
+    g = json_schema_grammar(HUGE["maxLength"])
+    assert judge.accepts(g, json.dumps({"x": "a" * 300}))
+    g = json_schema_grammar(_field({"type": "string", "maxLength": 40}))
+    assert judge.accepts(g, json.dumps({"x": "a" * 40}))
+    assert not judge.accepts(g, json.dumps({"x": "a" * 41}))
+
+
+def test_listed_properties_close_the_object_unless_the_schema_opens_it(judge: Judge) -> None:
+    closed = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    g = json_schema_grammar(closed)
+    assert judge.accepts(g, '{"a": 1}') and judge.accepts(g, "{}")
+    assert not judge.accepts(g, '{"a": 1, "b": 2}')
+    assert closed == {"type": "object", "properties": {"a": {"type": "integer"}}}  # untouched
+    g = json_schema_grammar({**closed, "additionalProperties": {"type": "boolean"}})
+    assert judge.accepts(g, '{"a": 1, "b": true}') and not judge.accepts(g, '{"a": 1, "b": 2}')
+    # Values are data, not schemas: an enum of objects keeps its objects as they are.
+    value = {"properties": {"k": 1}}
+    g = json_schema_grammar(_field({"enum": [value]}))
+    assert judge.accepts(g, json.dumps({"x": value}))
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "mistral", "llama3"])
+def test_tool_grammar_frames_each_call(judge: Judge, fmt: str) -> None:
+    params = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    g = tool_call_grammar(
+        [ToolSpec("get_weather", params), ToolSpec("noop", {})], FRAMINGS[fmt], max_calls=2
+    )
+    f = FRAMINGS[fmt]
+    one = (
+        f'{f.call_open}{{"name": "get_weather", "{f.args_key}": {{"city": "Oslo"}}}}{f.call_close}'
+    )
+    two = f'{f.call_open}{{"name": "noop", "{f.args_key}": {{}}}}{f.call_close}'
+    assert judge.accepts(g, f"{f.prefix}{one}{f.suffix}")
+    assert judge.accepts(g, f"{f.prefix}{one}{f.sep}{two}{f.suffix}")
+    assert not judge.accepts(g, f"{f.prefix}{one}{f.sep}{two}{f.sep}{one}{f.suffix}")  # max 2
+    extra = one.replace('"Oslo"', '"Oslo", "x": 1')
+    assert not judge.accepts(g, f"{f.prefix}{extra}{f.suffix}")
+    assert not judge.accepts(g, f"{f.prefix}{one.replace('get_weather', 'get_weathr')}{f.suffix}")
 
 
 def test_tool_grammar_with_hostile_names_compiles_and_parses(judge: Judge) -> None:

@@ -227,18 +227,6 @@ class Settings:
     max_schema_bytes: int = setting(
         128 * 1024, "limits", "JSON size of a request's tool and response schemas"
     )
-    max_grammar_repeat: int = setting(
-        4096,
-        "limits",
-        "sum of the repetition bounds (maxLength, maxItems, ...) a constraint grammar may expand",
-    )
-    max_grammar_alternatives: int = setting(
-        32,
-        "limits",
-        "alternatives (enum values, anyOf branches, optional properties) a constraint "
-        "grammar may hold open at one point: each costs every sampled token a pass over "
-        "the vocabulary",
-    )
     # -- tools
     mcp_config: str | None = setting(
         None,

@@ -129,7 +129,7 @@ class SamplingParams:
     seed: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     ignore_eos: bool = False
-    grammar: str | None = None  # GBNF; constrains every sampled token
+    grammar: str | None = None  # llguidance Lark (sluice.grammar); constrains sampling
     grammar_triggers: tuple[str, ...] = ()  # regexes: the grammar engages once one matches
     # The literal texts every trigger match's capture starts with (a hint that lets
     # the local engine run the patterns only when one appears: sluice.engine.trigger).

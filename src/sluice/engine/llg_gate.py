@@ -1,12 +1,11 @@
 """Grammars on llguidance: a per-request gate that checks tokens and computes masks.
 
-The grammars sluice builds (GBNF: JSON schemas, tool-call framing) run on
+The grammars sluice builds (``sluice.grammar``: Lark, JSON schemas inline) run on
 llguidance's matcher (``llguidance.LLMatcher``, the grammar engine of vLLM and
 SGLang and llama.cpp's optional one), not on llama.cpp's GBNF sampler: on
 SmolLM2's 49k vocabulary a token's mask takes ~20 us (p90 ~100 us) against
 3.5-5 ms for llama.cpp's pass over the vocabulary, and checking one token
-~0.6 us. The GBNF is translated to llguidance's Lark dialect by llguidance's
-own converter (``gbnf_to_lark``).
+~0.6 us.
 
 The engine samples first and asks the gate about the chosen token only
 (``LlamaRunner._sample_gated``); the mask is computed only when that token is
@@ -15,7 +14,7 @@ refused.
 Example::
 
     grammars = Grammars(runner)              # per model; its tokenizer is made once
-    gate = grammars.gate('root ::= "yes" | "no"')
+    gate = grammars.gate('start: "yes" | "no"')
     if not gate.allows(token):
         logits[~gate.allowed()] = -inf
     gate.accept(token)
@@ -37,11 +36,10 @@ from sluice.core.errors import InvalidRequest
 
 T = TypeVar("T")
 
-# llguidance compiles a grammar's nested rules recursively, about 4 KiB of native
-# stack a level: a bounded repetition of sluice's converter (a chain of up to
-# --max-grammar-repeat rules, 4,096 by default) overflows a thread's default 8 MiB
-# and crashes the process (measured: 16 MiB compile 4,096 levels). Compiles run on
-# threads of their own with this much stack (address space, used only as needed).
+# llguidance compiles nested rules recursively, about 4 KiB of native stack a level:
+# a grammar of 4,096 nested rules overflowed a thread's default 8 MiB and crashed
+# the process (16 MiB were enough). Compiles run on threads of their own with this
+# much stack (address space, used only as needed), whatever the grammar.
 COMPILE_STACK = 512 << 20
 COMPILE_THREADS = 2
 
@@ -92,7 +90,11 @@ class Gate:
         self._mask = np.zeros((grammars.n_vocab + 31) // 32, dtype=np.int32)
 
     def allows(self, token: int) -> bool:
-        """Whether ``token`` may come next (without taking it)."""
+        """Whether ``token`` may come next (without taking it). An end-of-generation
+        token may end an accepting grammar (llguidance's token check counts text
+        tokens only; its mask has them)."""
+        if token in self._grammars.eog:
+            return bool(self.matcher.is_accepting())
         return bool(self.matcher.validate_tokens([token]) == 1)
 
     def allowed(self) -> npt.NDArray[np.bool_]:
@@ -122,7 +124,16 @@ class Grammars:
         self.n_vocab = n_vocab
         self._eog = eog
         self._tokenizer: Any = None
+        self._eog_set: frozenset[int] | None = None
         self._lock = threading.Lock()
+
+    @property
+    def eog(self) -> frozenset[int]:
+        """The model's end-of-generation tokens (the grammar's ends)."""
+        eog = self._eog_set
+        if eog is None:
+            eog = self._eog_set = frozenset(self._eog())
+        return eog
 
     def tokenizer(self) -> Any:
         with self._lock:
@@ -136,16 +147,11 @@ class Grammars:
                     )
             return self._tokenizer
 
-    def gate(self, gbnf: str) -> Gate:
-        """A gate on ``gbnf`` (root rule ``root``); a grammar that cannot be compiled
-        is a 400 naming llguidance's reason."""
+    def gate(self, lark: str) -> Gate:
+        """A gate on ``lark`` (llguidance's Lark, start rule ``start``); a grammar that
+        cannot be compiled is a 400 naming llguidance's reason."""
         import llguidance
-        from llguidance.gbnf_to_lark import any_to_lark
 
-        try:
-            lark = any_to_lark(gbnf)
-        except Exception as exc:  # noqa: BLE001 - the converter raises plain exceptions
-            raise InvalidRequest(f"The constraint grammar could not be compiled: {exc}") from None
         grammar = llguidance.LLMatcher.grammar_from_lark(lark)
         tokenizer = self.tokenizer()
         matcher = _compilers.run(lambda: llguidance.LLMatcher(tokenizer, grammar, log_level=0))

@@ -1,14 +1,9 @@
-"""What a grammar is built from: the limits, tool specs and call framing, schema errors."""
+"""What a grammar is built from: tool specs and the call framing."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
-
-DEFAULT_MAX_REPEAT = 4096
-REPEAT_SETTING = "--max-grammar-repeat"
-DEFAULT_MAX_ALTERNATIVES = 32
-ALTERNATIVES_SETTING = "--max-grammar-alternatives"
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,15 +28,3 @@ class CallFraming:
     suffix: str = ""
     name_key: str = "name"
     args_key: str = "arguments"
-
-
-class _SchemaProblem(Exception):
-    """A schema the converter cannot or will not translate (message for the client)."""
-
-
-class _OverBudget(_SchemaProblem):
-    pass
-
-
-def _clip(text: str, n: int = 60) -> str:
-    return text if len(text) <= n else text[: n - 3] + "..."

@@ -77,12 +77,7 @@ class CompletionService:
         markers = detect_reasoning(source)
         self.reasoning = ReasoningMarkers(*markers) if markers else None
         self.guard = ControlTextGuard(self.runner.control_texts)
-        # No output can be longer than this many characters: a schema maximum past it
-        # is the same as none (and costs no grammar repetitions).
-        self.tool_limits = replace(
-            options.tool_limits,
-            max_output_chars=self.runner.n_ctx_seq * self.runner.max_piece_bytes,
-        )
+        self.tool_limits = options.tool_limits
 
     # -- chat ----------------------------------------------------------------
 

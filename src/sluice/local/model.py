@@ -113,8 +113,6 @@ def service_options(
         tool_limits=ToolLimits(
             max_tools=settings.max_tools,
             max_schema_bytes=settings.max_schema_bytes,
-            max_grammar_repeat=settings.max_grammar_repeat,
-            max_grammar_alternatives=settings.max_grammar_alternatives,
         ),
     )
 

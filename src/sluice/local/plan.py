@@ -5,10 +5,8 @@ One :class:`OutputPlan` per request says how the prompt carries the tools
 grammar constrains decoding, and which streaming parsers read the output.
 
 Tools and schemas are user input that becomes a grammar, so
-:class:`ToolLimits` bounds them: how many tools, how many bytes of schema,
-how many repetition rules the grammar may hold, and how many alternatives it
-may hold open at one point (what sampling each token costs). Each limit is a
-400 naming the field and the setting.
+:class:`ToolLimits` bounds them: how many tools, how many bytes of schema.
+Each limit is a 400 naming the field and the setting.
 
 Example::
 
@@ -28,8 +26,6 @@ from typing import Any
 from sluice.core.errors import InvalidRequest
 from sluice.core.request import GenerationRequest
 from sluice.grammar import (
-    DEFAULT_MAX_ALTERNATIVES,
-    DEFAULT_MAX_REPEAT,
     CallFraming,
     ToolSpec,
     json_object_grammar,
@@ -61,34 +57,18 @@ _RESPONSE_SCHEMA = "response_format.json_schema.schema"
 
 @dataclass(frozen=True, slots=True)
 class ToolLimits:
-    """What one request's tools and schemas may cost (Settings ``max_tools``...).
-
-    ``max_output_chars`` is the longest output the request can produce (context
-    tokens times the longest token piece), when known: a schema maximum beyond
-    it is compiled as unbounded instead of counting against ``max_grammar_repeat``.
-
-    ``max_grammar_alternatives`` bounds the grammar's width: the parse stacks
-    llama.cpp may hold at one point of the output (anyOf/oneOf branches,
-    optional properties, enum values or tool names going on with different
-    characters, pattern alternatives, ambiguous repetitions; a stack that takes
-    a space next counts twice). The engine thread checks the whole vocabulary
-    against each of them for every token of the request, so each one costs
-    every stream on the server (SmolLM2, 49k tokens: 0.3-1 ms each; the
-    default, 32, is about 20 ms per token at the widest point).
+    """What one request's tools and schemas may cost (Settings ``max_tools``,
+    ``max_schema_bytes``). llguidance compiles any schema in bounded time and masks
+    a token in tens of microseconds whatever the schema's shape, so its size is the
+    only bound on a schema.
 
     Example::
 
-        ToolLimits(max_tools=s.max_tools, max_schema_bytes=s.max_schema_bytes,
-                   max_grammar_repeat=s.max_grammar_repeat,
-                   max_grammar_alternatives=s.max_grammar_alternatives,
-                   max_output_chars=n_ctx * piece)
+        ToolLimits(max_tools=s.max_tools, max_schema_bytes=s.max_schema_bytes)
     """
 
     max_tools: int = 128
     max_schema_bytes: int = 131072
-    max_grammar_repeat: int = DEFAULT_MAX_REPEAT
-    max_grammar_alternatives: int = DEFAULT_MAX_ALTERNATIVES
-    max_output_chars: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,14 +212,7 @@ def _call_grammar(
         for i, t in enumerate(tools)
         if only is None or t["function"]["name"] == only
     ]
-    return tool_call_grammar(
-        specs,
-        FRAMINGS[fmt],
-        max_calls=_max_calls(parallel, len(specs)),
-        max_repeat=limits.max_grammar_repeat,
-        max_output_chars=limits.max_output_chars,
-        max_alternatives=limits.max_grammar_alternatives,
-    )
+    return tool_call_grammar(specs, FRAMINGS[fmt], max_calls=_max_calls(parallel, len(specs)))
 
 
 def _max_calls(parallel: bool | None, n_tools: int) -> int:
@@ -392,13 +365,7 @@ def _response_format_grammar(schema: dict[str, Any] | None, limits: ToolLimits) 
         return None
     if not schema:
         return json_object_grammar()
-    return json_schema_grammar(
-        schema,
-        param=_RESPONSE_SCHEMA,
-        max_repeat=limits.max_grammar_repeat,
-        max_output_chars=limits.max_output_chars,
-        max_alternatives=limits.max_grammar_alternatives,
-    )
+    return json_schema_grammar(schema, param=_RESPONSE_SCHEMA)
 
 
 def _arguments_object(arguments: Any) -> Any:

@@ -387,7 +387,7 @@ def test_tool_choice_auto_is_a_lazy_grammar(tool_server: Server) -> None:
     body = ask("auto choice", tools=TOOLS, tool_choice="auto")
     prompt = tool_server.prompt(body)
     params = tool_server.last_params()
-    assert params.grammar and re.search(r"^root ::= ", params.grammar, re.MULTILINE)
+    assert params.grammar and re.search(r"^start: ", params.grammar, re.MULTILINE)
     # One pattern, for llama.cpp's full-buffer regex_match: engages at the call tag
     # wherever it appears, and the grammar starts at the tag (the capture group).
     (trigger,) = params.grammar_triggers
@@ -416,7 +416,7 @@ def test_tool_choice_forcing_is_a_grammar_from_the_start(tool_server: Server, ch
     )
     chunks = tool_server.stream(body)
     params = tool_server.last_params()
-    assert params.grammar and re.search(r"^root ::= ", params.grammar, re.MULTILINE)
+    assert params.grammar and re.search(r"^start: ", params.grammar, re.MULTILINE)
     assert params.grammar_triggers == ()  # constrained from the first token
     assert "get_time" in params.grammar
     assert ("get_weather" in params.grammar) is (choice == "required")
@@ -486,7 +486,7 @@ def test_response_format_json_schema(tool_server: Server) -> None:
     tool_server.script(body, [b'{"ans', b'wer": 4', b"2}", EOS])
     chunks = tool_server.stream(body)
     params = tool_server.last_params()
-    assert params.grammar and re.search(r"^root ::= ", params.grammar, re.MULTILINE)
+    assert params.grammar and re.search(r"^start: ", params.grammar, re.MULTILINE)
     assert "answer" in params.grammar
     assert params.grammar_triggers == ()
     assert json.loads(chat_text(chunks)) == {"answer": 42}
@@ -498,7 +498,7 @@ def test_response_format_json_schema(tool_server: Server) -> None:
 def test_response_format_json_object(hermes: Server) -> None:
     hermes.prompt(ask("any object", response_format={"type": "json_object"}))
     params = hermes.last_params()
-    assert params.grammar and re.search(r"^root ::= ", params.grammar, re.MULTILINE)
+    assert params.grammar and re.search(r"^start: ", params.grammar, re.MULTILINE)
     assert params.grammar_triggers == ()
     hermes.prompt(ask("any object", response_format={"type": "text"}))
     assert hermes.last_params().grammar is None
