@@ -102,7 +102,7 @@ def nested(depth: int) -> str:
             (
                 b'{"messages":[{"role":"user","content":"x"}],"response_format":{"type":'
                 b'"json_schema","json_schema":{"name":"s","schema":{"type":"string",'
-                b'"minLength":1000000000}}}}'
+                b'"minLength":-1000000000}}}}'
             ),
             "response_format.json_schema.schema",
         ),

@@ -519,6 +519,7 @@ def test_response_format_json_object(hermes: Server) -> None:
                     "schema": {
                         "type": "object",
                         "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 1}},
+                        "required": ["n"],
                     },
                 },
             },
