@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Grammar-constrained decoding speed: sluice against llama.cpp's own ``llama-server``.
 
-Both serve the packaged SmolLM2-135M-Instruct Q4_1 (``harness.model_path()``) with
+Both serve the packaged SmolLM2-135M-Instruct Q4_1 (``--model gemma3-270m``: Gemma 3
+270M, a 262k vocabulary, with Gemma 2's vendored chat template on both sides) with
 ``--threads T`` (default 2) each, 4 slots of 4,096 tokens of context, side by side for
 the whole run (the one not measured idles):
 
@@ -104,7 +105,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from harness import RESULTS, model_path
+from harness import RESULTS
 from harness.client import CHAT, Stream, body_of, http_post, parse_sse, run_streams
 from harness.llama_build import build_info, ensure_llama_server, vendored_file
 from harness.machine import Noise, loadavg, machine_info, proc_cpu_seconds
@@ -257,9 +258,19 @@ def calls_in_text(text: str) -> list[dict[str, str]]:
     return [{"name": str(doc["name"]), "arguments": json.dumps(doc.get("arguments"))}]
 
 
+# The model both serve (--model): sluice's name for it, the GGUF, the report's words,
+# and the chat template to give both when its GGUF has none (Gemma 3 270M is a base
+# model: Gemma 2's template has the same turns, over tokens Gemma 3 has).
+MODELS = {
+    "smollm2": {"label": "SmolLM2-135M-Instruct Q4_1", "template": ""},
+    "gemma3-270m": {"label": "Gemma 3 270M Q4_K_M", "template": "google-gemma-2-2b-it.jinja"},
+}
+MODEL: dict[str, str] = {"name": "smollm2"}
+
+
 def request_body(workload: str, prompt: str, seed: int, tokens: int) -> dict[str, Any]:
     body: dict[str, Any] = {
-        "model": "smollm2",
+        "model": MODEL["name"],
         "messages": [{"role": "user", "content": prompt}],
         "stream": True,
         "max_tokens": tokens,
@@ -316,7 +327,7 @@ def ttft_body(name: str, serial: int) -> dict[str, Any]:
     else:
         prompt = f"Fill in the form for {person}."
     return {
-        "model": "smollm2",
+        "model": MODEL["name"],
         "messages": [{"role": "user", "content": prompt}],
         "stream": True,
         "max_tokens": TTFT_TOKENS,
@@ -497,6 +508,7 @@ def start_servers(args: argparse.Namespace, tmp: Path) -> dict[str, Server]:
     port = free_port()
     cmd = [*SLUICE, "--port", str(port), "--threads", str(args.threads)]
     cmd += ["--parallel", str(PARALLEL), "--ctx", str(CTX), "--log-level", "warning"]
+    cmd += ["--model", MODEL["name"]]
     cmd += ["--chat-template", *template] if template else []
     (tmp / "models").mkdir(exist_ok=True)
     servers["sluice"] = Server(
@@ -506,7 +518,10 @@ def start_servers(args: argparse.Namespace, tmp: Path) -> dict[str, Server]:
         port = free_port()
         extra = ["--jinja", *shlex.split(args.llama_args)]
         extra += ["--chat-template-file", *template] if template else []
-        cmd = llama_server_cmd(args.llama_server, port, args.threads, PARALLEL, CTX, *extra)
+        gguf = Path(MODEL["path"])
+        cmd = llama_server_cmd(
+            args.llama_server, port, args.threads, PARALLEL, CTX, *extra, model=gguf
+        )
         servers["llama-server"] = LlamaServer("llama-server", cmd, port, tmp / "llama.log")
     except BaseException:
         servers["sluice"].close()
@@ -785,7 +800,7 @@ def write_report(res: dict[str, Any], out_dir: Path) -> Path:
     ttft = ttft_table(summary, markdown=True)
     md = (
         f"# Constrained decoding: sluice vs llama-server ({res['date']})\n\n"
-        f"SmolLM2-135M-Instruct Q4_1, {st['threads']} threads each, {PARALLEL} slots of "
+        f"{MODELS[st.get('model', 'smollm2')]['label']}, {st['threads']} threads each, {PARALLEL} slots of "
         f"{CTX} tokens; {st['rounds']} rounds, the two sides alternating (order rotated), "
         f"streaming chat, `max_tokens` {st['tokens']}, a seed per request, no "
         "`ignore_eos`, llama.cpp's default sampling (no sampling fields). Workloads: free "
@@ -823,9 +838,10 @@ def main() -> None:
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="free,json,tool")
     ap.add_argument("--tokens", type=int, default=128, help="max_tokens per stream (128)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", choices=sorted(MODELS), default="smollm2")
     ap.add_argument(
         "--template",
-        default="",
+        default=None,
         help="a chat template both servers use, from the vendored llama.cpp's "
         "models/templates (default: each its model's own)",
     )
@@ -862,7 +878,11 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # servers closed on the way out
     reproduce = ".venv/bin/python benchmarks/constrained.py " + shlex.join(sys.argv[1:])
     args.llama_server = ensure_llama_server()  # built (once) before anything is timed
-    model_path()  # the packaged GGUF is there
+    from sluice.models.catalog import resolve_model
+
+    MODEL.update(name=args.model, path=str(resolve_model(args.model).path))
+    if args.template is None:
+        args.template = MODELS[args.model]["template"]
     started, load_start = now(), loadavg()
     tmp = Path(tempfile.mkdtemp(prefix="sluice-constrained-"))
     print(
@@ -970,6 +990,8 @@ def main() -> None:
         "llama_server_build": build_info(args.llama_server),
         "load_average": {"start": load_start, "end": loadavg()},
         "settings": {
+            "model": args.model,
+            "template": args.template,
             "rounds": args.rounds,
             "levels": levels,
             "workloads": workloads,

@@ -46,11 +46,18 @@ def models_env(models_dir: Path | str) -> dict[str, str]:
 
 
 def llama_server_cmd(
-    binary: Path | str, port: int, threads: int, parallel: int, ctx: int, *extra: str
+    binary: Path | str,
+    port: int,
+    threads: int,
+    parallel: int,
+    ctx: int,
+    *extra: str,
+    model: Path | None = None,
 ) -> list[str]:
     """llama-server on the embedded SmolLM2 with ``parallel`` slots of ``ctx`` tokens each
     (its ``-c`` is the total over the slots), ``extra`` flags, on ``port``."""
-    cmd = [str(binary), "-m", str(model_path()), "-t", str(threads), "-np", str(parallel)]
+    gguf = model if model is not None else model_path()
+    cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-np", str(parallel)]
     return [*cmd, "-c", str(parallel * ctx), *extra, "--host", "127.0.0.1", "--port", str(port)]
 
 
