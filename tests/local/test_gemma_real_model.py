@@ -1,4 +1,5 @@
-"""The packaged gemma3-270m base model: text completions work; chat has no template -> 400.
+"""The packaged gemma3-270m base model: text completions work; chat has no template -> 400,
+and with a template given, tools and JSON schemas on its 262k vocabulary.
 
 The first start may assemble the GGUF from its chunk packages into ~/.cache;
 ``serve_process`` allows two minutes for the server to become healthy.
@@ -6,7 +7,9 @@ The first start may assemble the GGUF from its chunk packages into ~/.cache;
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -100,3 +103,50 @@ def test_gemma_chat_sdk_raises_bad_request(gemma: str, stream: bool) -> None:
         )
     assert err.value.code == "missing_chat_template"
     assert "chat template" in err.value.message
+
+
+def test_gemma_with_a_template_calls_a_tool_and_answers_json(tmp_path: Path) -> None:
+    """Gemma 3's 262k vocabulary under the grammar gate (llguidance's tokenizer for it),
+    with a template that has no system role (the tool prompt goes into the user turn)."""
+    from tests.local.test_templates import GEMMA
+
+    template = tmp_path / "gemma.jinja"
+    template.write_text(GEMMA)
+    args = ("--model", "gemma3-270m", "--chat-template", str(template), "--parallel", "1")
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 20}},
+                "required": ["city"],
+            },
+        },
+    }
+    with (
+        serve_process(*args, "--ctx", "1024", *QUIET) as url,
+        OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client,
+    ):
+        asked = [{"role": "system", "content": "You help."}, {"role": "user", "content": "Oslo?"}]
+        r = client.chat.completions.create(
+            model="gemma3-270m",
+            messages=asked,
+            tools=[weather],
+            tool_choice="required",
+            max_tokens=64,
+            temperature=0,
+        )
+        (call,) = r.choices[0].message.tool_calls or []
+        assert call.function.name == "get_weather"
+        assert isinstance(json.loads(call.function.arguments)["city"], str)
+        n = {"type": "integer", "minimum": 0, "maximum": 999}
+        schema = {"type": "object", "properties": {"n": n}, "required": ["n"]}
+        r = client.chat.completions.create(
+            model="gemma3-270m",
+            messages=[{"role": "user", "content": "A number as JSON."}],
+            response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+            max_tokens=32,
+            temperature=0,
+        )
+        assert 0 <= json.loads(r.choices[0].message.content or "")["n"] <= 999

@@ -47,6 +47,7 @@ class ChatTemplate:
         self.model_id = model_id
         self._template: jinja2.Template | None = None
         self._compile_error: str | None = None
+        self._system: bool | None = None  # whether it takes a system message (probed)
         if source:
             env = ImmutableSandboxedEnvironment(
                 trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True
@@ -62,6 +63,34 @@ class ChatTemplate:
     @property
     def available(self) -> bool:
         return self._template is not None
+
+    @property
+    def supports_system(self) -> bool:
+        """Whether the template takes a system message (Gemma's raise an exception on
+        one). Probed once with a system and a user message."""
+        if self._system is None:
+            probe = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+            try:
+                self._render(probe, True, None)
+                self._system = True
+            except _TemplateRaised:
+                self._system = False
+            except Exception:  # noqa: BLE001 - a template failing otherwise: not this
+                self._system = True
+        return self._system
+
+    def _render(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, extra: Any
+    ) -> str:
+        assert self._template is not None
+        context: dict[str, Any] = {
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            **(extra or {}),
+            "messages": messages,
+            "add_generation_prompt": add_generation_prompt,
+        }
+        return self._template.render(**context)
 
     def render(
         self,
@@ -82,18 +111,40 @@ class ChatTemplate:
                 "--chat-template / SLUICE_CHAT_TEMPLATE.",
                 param="model",
             )
-        context: dict[str, Any] = {
-            "bos_token": self.bos_token,
-            "eos_token": self.eos_token,
-            **(extra or {}),
-            "messages": messages,
-            "add_generation_prompt": add_generation_prompt,
-        }
+        if any(m.get("role") == "system" for m in messages) and not self.supports_system:
+            messages = _system_into_user(messages)
         try:
-            return self._template.render(**context)
+            return self._render(messages, add_generation_prompt, extra)
         except _TemplateRaised as exc:
             raise TemplateError(f"The chat template rejected the messages: {exc}") from exc
         except Exception as exc:  # the model's template on the request's messages
             raise TemplateError(
                 f"The chat template failed to render these messages: {type(exc).__name__}: {exc}"
             ) from exc
+
+
+def _system_into_user(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The system messages' text put at the start of the first user message (a system
+    message of their own when there is none), as llama.cpp does for templates without
+    a system role."""
+    system = "\n\n".join(
+        m["content"] if isinstance(m.get("content"), str) else _text_of(m.get("content"))
+        for m in messages
+        if m.get("role") == "system"
+    )
+    rest = [m for m in messages if m.get("role") != "system"]
+    for i, m in enumerate(rest):
+        if m.get("role") == "user":
+            content = m.get("content")
+            if isinstance(content, list):
+                merged: Any = [{"type": "text", "text": system + "\n\n"}, *content]
+            else:
+                merged = f"{system}\n\n{content or ''}"
+            return [*rest[:i], {**m, "content": merged}, *rest[i + 1 :]]
+    return [{"role": "user", "content": system}, *rest]
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return "" if content is None else str(content)

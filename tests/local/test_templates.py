@@ -1,0 +1,62 @@
+"""Chat templates without a system role (Gemma's raise an exception on one): the
+system text goes into the first user message, as llama.cpp does, instead of a 400."""
+
+from __future__ import annotations
+
+import pytest
+
+from sluice.core.errors import TemplateError
+from sluice.local.templates import ChatTemplate
+
+# Gemma 2's template, as its GGUF carries it.
+GEMMA = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
+    "{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for message in messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}{% if (message['role'] == 'assistant') %}{% set role = 'model' %}"
+    "{% else %}{% set role = message['role'] %}{% endif %}"
+    "{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\\n'}}{% endif %}"
+)
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def template(source: str) -> ChatTemplate:
+    return ChatTemplate(source, bos_token="<bos>", eos_token="<eos>", model_id="m")
+
+
+def test_system_text_goes_into_the_first_user_message() -> None:
+    gemma = template(GEMMA)
+    assert not gemma.supports_system
+    out = gemma.render(
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "system", "content": "Use tools."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello"},
+            {"role": "user", "content": "Weather?"},
+        ]
+    )
+    assert out == (
+        "<bos><start_of_turn>user\nBe brief.\n\nUse tools.\n\nHi<end_of_turn>\n"
+        "<start_of_turn>model\nHello<end_of_turn>\n"
+        "<start_of_turn>user\nWeather?<end_of_turn>\n<start_of_turn>model\n"
+    )
+    # Without a system message nothing changes; other refusals are still 400s.
+    assert gemma.render([{"role": "user", "content": "Hi"}]).startswith(
+        "<bos><start_of_turn>user\nHi"
+    )
+    with pytest.raises(TemplateError, match="must alternate"):
+        gemma.render([{"role": "assistant", "content": "x"}])
+
+
+def test_a_template_with_a_system_role_keeps_it() -> None:
+    chatml = template(CHATML)
+    assert chatml.supports_system
+    out = chatml.render([{"role": "system", "content": "S"}, {"role": "user", "content": "U"}])
+    assert out.startswith("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU")
