@@ -1,4 +1,4 @@
-"""Command line: ``sluice serve`` (no logic here beyond wiring).
+"""Command line: ``sluice serve``, ``sluice models`` (no logic here beyond wiring).
 
 Its flags are made from :class:`~sluice.config.Settings`, one per setting.
 """
@@ -11,6 +11,7 @@ import sys
 from dataclasses import fields
 from typing import Any
 
+from sluice.clients import models as models_client
 from sluice.config import GROUPS, Settings, env_var, flag_name, kind, shown_default
 
 
@@ -18,9 +19,10 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     """``sluice serve``: one flag per setting, in the settings' groups."""
     p = sub.add_parser(
         "serve",
-        help="serve models over the OpenAI, LM Studio and gateway APIs",
+        help="serve models over the OpenAI, Anthropic, Ollama, LM Studio and gateway APIs",
         description="Serve local GGUF models (and upstream servers) over OpenAI's "
-        "/v1/chat/completions and /v1/completions, LM Studio's /api/v1 API and the /c1 "
+        "/v1/chat/completions, /v1/completions, /v1/responses and /v1/embeddings, "
+        "Anthropic's /v1/messages, Ollama's /api, LM Studio's /api/v1 API and the /c1 "
         "gateway. Every flag can also be set as an environment variable SLUICE_<NAME> "
         "(e.g. SLUICE_PORT=9000); a flag wins over the environment. Reference: "
         "docs/configuration.md.",
@@ -46,10 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sluice",
         description="sluice: a streaming-first LLM server for local GGUF models and the "
-        "inference servers behind it, over the OpenAI, LM Studio and gateway APIs",
+        "inference servers behind it, over the OpenAI, Anthropic, Ollama, LM Studio and "
+        "gateway APIs",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
+    models_client.add_parser(sub)
     return parser
 
 
@@ -64,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "models":
+        return models_client.run(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -27,13 +27,15 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from sluice.config import Settings
@@ -44,9 +46,11 @@ from sluice.core.errors import (
     ModelNotFound,
     ShuttingDown,
     SluiceError,
+    as_sluice_error,
     lmstudio_error_body,
     spec_for,
 )
+from sluice.core.frames import Frame
 from sluice.core.model import ModelSpec
 from sluice.dialects.lmstudio.schema import (
     DownloadModelRequest,
@@ -60,11 +64,11 @@ from sluice.models.files import (
     read_model_file,
     reasoning_capability,
 )
-from sluice.models.registry import ModelStatus
+from sluice.models.registry import LoadResult, ModelStatus
 from sluice.server.body import read_body
 from sluice.server.jsonbody import parse_json_body
 from sluice.server.respond import errors_as
-from sluice.server.sse import json_response
+from sluice.server.sse import encode, json_response
 from sluice.server.state import ServerState, server_state
 
 log = logging.getLogger("sluice.api")
@@ -98,6 +102,7 @@ def _lms_error_response(exc: SluiceError) -> Response:
 
 
 _lmstudio = errors_as(_lms_error_response)
+NO_CACHE = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
 async def _read(request: Request, model: type[M]) -> M:
@@ -225,17 +230,66 @@ async def load_model(request: Request) -> Response:
         # Accepted, as LM Studio accepts them for engines that lack them: a tool that
         # always sends its defaults still loads. The echoed config shows what applied.
         log.warning("load '%s': not set per model, ignored: %s", spec.name, ", ".join(unapplied))
-    result = await state.registry.load(spec.name, _options(body), ttl=body.ttl or 0)
-    out: dict[str, Any] = {
-        "type": "llm",
-        "instance_id": spec.name,
-        "load_time_seconds": round(result.seconds, 3),
-        "status": "loaded",
-    }
-    if body.echo_load_config:
-        model = state.registry.get_loaded(spec.name)
-        out["load_config"] = _config(model.load_config()) if model is not None else {}
-    return json_response(out)
+    options = _options(body)
+
+    def answer(result: LoadResult) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "type": "llm",
+            "instance_id": spec.name,
+            "load_time_seconds": round(result.seconds, 3),
+            "status": "loaded",
+        }
+        if body.echo_load_config:
+            model = state.registry.get_loaded(spec.name)
+            out["load_config"] = _config(model.load_config()) if model is not None else {}
+        return out
+
+    if "text/event-stream" in request.headers.get("accept", ""):
+        return _load_stream(state, spec.name, options, body.ttl or 0, answer)
+    result = await state.registry.load(spec.name, options, ttl=body.ttl or 0)
+    return json_response(answer(result))
+
+
+def _load_stream(
+    state: ServerState,
+    name: str,
+    options: LoadOptions | None,
+    ttl: float,
+    answer: Callable[[LoadResult], dict[str, Any]],
+) -> Response:
+    """A load asked for with ``Accept: text/event-stream`` (sluice's extension, for
+    ``sluice models load``): ``model_load.progress`` events as the load goes (the
+    fraction, at most one per hundredth), then ``model_load.end`` with the usual
+    answer, or an ``error`` event. A client that leaves does not stop the load."""
+    queue: asyncio.Queue[float] = asyncio.Queue()
+    task = asyncio.ensure_future(state.registry.load(name, options, queue.put_nowait, ttl=ttl))
+
+    def frame(kind: str, **fields: Any) -> bytes:
+        return encode(Frame({"type": kind, **fields}, event=kind, ascii=True))
+
+    async def frames() -> AsyncIterator[bytes]:
+        yield frame("model_load.start", model_instance_id=name)
+        last = 0.0
+        while not task.done():
+            getter = asyncio.ensure_future(queue.get())
+            await asyncio.wait({task, getter}, return_when=asyncio.FIRST_COMPLETED)
+            if not getter.done():
+                getter.cancel()
+                continue
+            fraction = getter.result()
+            if fraction < 1.0 and fraction - last >= 0.01:
+                last = fraction
+                yield frame("model_load.progress", model_instance_id=name, progress=fraction)
+        try:
+            result = task.result()
+        except Exception as exc:  # noqa: BLE001 - told to the client in LM Studio's shape
+            error = lmstudio_error_body(as_sluice_error(exc))["error"]
+            yield frame("error", error=error)
+            return
+        yield frame("model_load.progress", model_instance_id=name, progress=1.0)
+        yield frame("model_load.end", **answer(result))
+
+    return StreamingResponse(frames(), media_type="text/event-stream", headers=NO_CACHE)
 
 
 @_lmstudio

@@ -1,0 +1,2 @@
+"""Terminal clients of a running server over HTTP (``sluice models``); they import
+nothing of the server."""
