@@ -74,6 +74,28 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+class _LoadBar:
+    """``sluice serve`` on a terminal: a progress bar on stderr while the default model
+    loads, fed by llama.cpp's load progress; gone once it is loaded."""
+
+    def __init__(self) -> None:
+        self._progress: Any = None
+        self._task: Any = None
+
+    def __call__(self, model: str, fraction: float) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn
+
+        if self._progress is None:
+            columns = (TextColumn(f"loading {model}"), BarColumn(), TaskProgressColumn())
+            self._progress = Progress(*columns, console=Console(stderr=True), transient=True)
+            self._task = self._progress.add_task(model, total=1.0)
+            self._progress.start()
+        self._progress.update(self._task, completed=fraction)
+        if fraction >= 1.0:
+            self._progress.stop()
+
+
 # Seconds uvicorn waits past the grace for the error frames that end the
 # requests still running to get out, before it cancels what is left.
 _FLUSH_SECONDS = 3.0
@@ -103,8 +125,9 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    bar = _LoadBar() if sys.stderr.isatty() else None
     try:
-        app = create_app(settings)
+        app = create_app(settings, startup_progress=bar)
     except ValueError as exc:  # a bad API key (ConfigError): say so, no traceback
         print(f"sluice: {exc}", file=sys.stderr)
         return 2

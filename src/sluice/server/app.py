@@ -84,9 +84,13 @@ def render_error_for(path: str) -> Callable[[SluiceError], Response]:
 
 
 def create_app(
-    settings: Settings, runner_factory: Callable[[Settings], ModelRunner] | None = None
+    settings: Settings,
+    runner_factory: Callable[[Settings], ModelRunner] | None = None,
+    *,
+    startup_progress: Callable[[str, float], None] | None = None,
 ) -> Starlette:
-    """The ASGI app. ``runner_factory`` lets tests put a scripted runner in the real engine."""
+    """The ASGI app. ``runner_factory`` lets tests put a scripted runner in the real engine;
+    ``startup_progress(model, fraction)`` hears the default model's load (on the loop)."""
 
     # The config file is read once, here; each package is handed its table.
     config = ConfigFile.read(settings.config) if settings.config else None
@@ -100,7 +104,9 @@ def create_app(
             # The default model loads before the server takes requests, as it always did,
             # and stays loaded (no idle TTL) unless it is unloaded on request.
             default = registry.resolve(None)
-            await registry.load(default.name, ttl=0)
+            report = startup_progress
+            progress = (lambda f: report(default.name, f)) if report is not None else None
+            await registry.load(default.name, progress=progress, ttl=0)
             await registry.start()
             await state.dispatcher.start()  # a first health check finds upstreams' models
             state._store = await SQLiteStore.open(settings.store or default_store_path())
