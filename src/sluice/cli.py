@@ -1,4 +1,4 @@
-"""Command line: ``sluice serve``, ``sluice models`` (no logic here beyond wiring).
+"""Command line: ``sluice serve``, ``sluice models``, ``sluice chat`` (wiring only).
 
 Its flags are made from :class:`~sluice.config.Settings`, one per setting.
 """
@@ -11,6 +11,7 @@ import sys
 from dataclasses import fields
 from typing import Any
 
+from sluice.clients import chat as chat_client
 from sluice.clients import models as models_client
 from sluice.config import GROUPS, Settings, env_var, flag_name, kind, shown_default
 
@@ -54,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     models_client.add_parser(sub)
+    chat_client.add_parser(sub)
     return parser
 
 
@@ -70,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(args)
     if args.command == "models":
         return models_client.run(args)
+    if args.command == "chat":
+        return chat_client.run(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -99,11 +99,11 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
 def _call(client: httpx.Client, path: str, body: dict[str, Any] | None = None) -> Any:
     r = client.post(path, json=body) if body is not None else client.get(path)
     if r.status_code >= 400:
-        raise CommandError(_error_text(r.status_code, r.content))
+        raise CommandError(error_text(r.status_code, r.content))
     return r.json()
 
 
-def _error_text(status: int, content: bytes) -> str:
+def error_text(status: int, content: bytes) -> str:
     try:
         error = json.loads(content)["error"]
         message = error["message"] if isinstance(error, dict) else str(error)
@@ -167,7 +167,7 @@ def _load(client: httpx.Client, console: Console, args: argparse.Namespace) -> i
         Progress(*columns, console=console, transient=False) as bar,
     ):  # fmt: skip
         if r.status_code >= 400:
-            raise CommandError(_error_text(r.status_code, r.read()))
+            raise CommandError(error_text(r.status_code, r.read()))
         task = bar.add_task(args.model, total=1.0)
         for event, data in _events(r):
             if event == "model_load.progress":
