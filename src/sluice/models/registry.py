@@ -499,7 +499,7 @@ class ModelRegistry:
         loaded model."""
         holders = [e for e in self._entries.values() if e.holds()]
         over = sum(h.held() for h in holders) + need - self._budget
-        if over > 0:
+        if over > 0 and need <= self._budget:  # (too large for any room: nothing to drop)
             freed = self._room.reclaim(over)
             if freed:
                 log.info(
