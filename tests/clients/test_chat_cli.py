@@ -5,6 +5,7 @@ an answer (the server's slot frees, the partial answer is kept), /exit quits."""
 from __future__ import annotations
 
 import itertools
+import re
 import shlex
 import shutil
 import subprocess
@@ -89,6 +90,8 @@ def test_turns_reset_multiline_and_exit(url: str) -> None:
         assert roles == ["user", "assistant", "user", "assistant"]  # one conversation kept
         answer = convs[0]["messages"][1]["content"]
         assert answer and answer.split()[0] in s.screen()  # streamed to the terminal
+        # Each answer ends with its figures.
+        assert re.search(r"\(\d+ tokens, [0-9.]+ tok/s, first token \d+ ms\)", s.screen())
         s.keys("/reset", "Enter")
         s.wait(lambda t: "(new conversation)" in t)
         s.keys("Line one \\", "Enter")

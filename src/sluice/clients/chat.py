@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
@@ -75,6 +76,7 @@ class Chat:
         self.max_tokens = max_tokens
         self.color = color
         self.conversation: str | None = None
+        self._sent = 0.0  # when the current turn was sent (time.monotonic)
 
     def _style(self, text: str, style: str) -> str:
         return f"{style}{text}{RESET}" if self.color else text
@@ -109,7 +111,11 @@ class Chat:
 
     def turn(self, message: str) -> None:
         """Send ``message`` and print the answer as it streams (Ctrl-C stops it)."""
-        body: dict[str, Any] = {"message": message, "stream": True}
+        body: dict[str, Any] = {
+            "message": message,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         if self.model:
             body["model"] = self.model
         if self.conversation:
@@ -117,6 +123,7 @@ class Chat:
         if self.max_tokens:
             body["max_tokens"] = self.max_tokens
         timeout = httpx.Timeout(30, read=None)
+        self._sent = time.monotonic()
         try:
             with self.client.stream("POST", "/c1/chat", json=body, timeout=timeout) as r:
                 if r.status_code >= 400:
@@ -131,7 +138,12 @@ class Chat:
 
     def _print_stream(self, chunks: Iterator[dict[str, Any]]) -> None:
         thinking = False
+        first: float | None = None
+        usage: dict[str, Any] = {}
         for chunk in chunks:
+            usage = chunk.get("usage") or usage
+            if first is None and chunk.get("choices"):
+                first = time.monotonic()
             if "error" in chunk and not chunk.get("choices"):
                 error = chunk["error"]
                 message = error.get("message") if isinstance(error, dict) else error
@@ -154,6 +166,13 @@ class Chat:
                     self.out.write(self._style(f"[tool call {fn.get('name', '')}]", DIM))
                 self.out.flush()
         self.out.write("\n")
+        tokens = usage.get("completion_tokens")
+        if first is not None and tokens:
+            spent = time.monotonic() - first
+            rate = f", {(tokens - 1) / spent:.1f} tok/s" if tokens > 1 and spent > 0 else ""
+            ttft = (first - self._sent) * 1000
+            self.out.write(self._style(f"({tokens} tokens{rate}, first token {ttft:.0f} ms)", DIM))
+            self.out.write("\n")
         self.out.flush()
 
 
