@@ -184,3 +184,15 @@ def test_tool_grammar_with_hostile_names_compiles_and_parses(judge: Judge) -> No
     text = f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
     assert judge.accepts(g, text)
     assert not judge.accepts(g, text.replace('"n": 3', '"n": 3 "x": 1'))
+
+
+def test_a_gate_in_error_lets_only_the_end_through(judge: Judge) -> None:
+    runner = judge.runner
+    sampler = runner.new_sampler(SamplingParams(grammar='start: "ab"', temperature=0), [])
+    gate = sampler.gate
+    assert gate is not None
+    gate.accept(judge.byte_token[ord("z")])  # refused text: llguidance's error state
+    assert gate.matcher.is_error()
+    allowed = gate.allowed()
+    assert set(map(int, allowed.nonzero()[0])) == set(runner._eog_tokens())
+    runner.free_sampler(sampler)

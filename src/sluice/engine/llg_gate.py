@@ -13,7 +13,7 @@ refused.
 
 Example::
 
-    grammars = Grammars(runner)              # per model; its tokenizer is made once
+    grammars = Grammars(vocab, n_vocab, eog_tokens)   # per model; one tokenizer for it
     gate = grammars.gate('start: "yes" | "no"')
     if not gate.allows(token):
         logits[~gate.allowed()] = -inf
@@ -102,7 +102,10 @@ class Gate:
         mask = self._mask
         self.matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
         bits = np.unpackbits(mask.view(np.uint8), bitorder="little")
-        return bits[: self._grammars.n_vocab].view(np.bool_)
+        allowed = bits[: self._grammars.n_vocab].view(np.bool_)
+        if not allowed.any():  # a matcher in error (it should not be): end the output
+            allowed[list(self._grammars.eog)] = True
+        return allowed
 
     def accept(self, token: int) -> None:
         """``token`` was sampled (one :meth:`allows` or :meth:`allowed` let through)."""
