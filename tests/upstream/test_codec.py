@@ -547,6 +547,17 @@ def test_chat_body_keeps_every_field_the_client_sent() -> None:
     # sluice as the upstream of sluice: the body is the same request again.
     again = ChatCompletionRequest.model_validate(body).to_request()
     assert again == replace(request, model="upstream-name")
+    # A penalty of 1.0 sent is a choice (no penalty) and goes on; one left out does not.
+    sent = {"messages": CHAT_WIRE["messages"], "repeat_penalty": 1.0, "repeat_last_n": 64}
+    _, body = upstream_body(ChatCompletionRequest.model_validate(sent).to_request(), "u")
+    assert (body["repeat_penalty"], body["repetition_penalty"], body["repeat_last_n"]) == (
+        1.0,
+        1.0,
+        64,
+    )
+    left_out = {"messages": CHAT_WIRE["messages"]}
+    _, body = upstream_body(ChatCompletionRequest.model_validate(left_out).to_request(), "u")
+    assert not {"repeat_penalty", "repetition_penalty", "repeat_last_n"} & set(body)
 
 
 def test_text_body_keeps_every_field_the_client_sent() -> None:

@@ -30,6 +30,8 @@ GGUF_SAMPLING_KEYS = {
     "general.sampling.top_k": "top_k",
     "general.sampling.top_p": "top_p",
     "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repeat_penalty",
+    "general.sampling.penalty_last_n": "penalty_last_n",
 }
 
 
@@ -49,10 +51,14 @@ class SamplerDefaults:
     top_k: int = 40
     top_p: float = 0.95
     min_p: float = 0.05
+    repeat_penalty: float = 1.0  # 1.0: none
+    penalty_last_n: int = 64  # tokens the penalties look back over
     source: str = "llama.cpp"  # where they come from: llama.cpp | gguf | config
 
     def fill(self, s: SamplingParams) -> SamplingParams:
-        if None not in (s.temperature, s.top_k, s.top_p, s.min_p):
+        if None not in (
+            s.temperature, s.top_k, s.top_p, s.min_p, s.repeat_penalty, s.penalty_last_n
+        ):  # fmt: skip
             return s
         return replace(
             s,
@@ -60,6 +66,8 @@ class SamplerDefaults:
             top_k=self.top_k if s.top_k is None else s.top_k,
             top_p=self.top_p if s.top_p is None else s.top_p,
             min_p=self.min_p if s.min_p is None else s.min_p,
+            repeat_penalty=self.repeat_penalty if s.repeat_penalty is None else s.repeat_penalty,
+            penalty_last_n=self.penalty_last_n if s.penalty_last_n is None else s.penalty_last_n,
         )
 
     def over(self, values: dict[str, float], source: str) -> SamplerDefaults:
@@ -67,8 +75,9 @@ class SamplerDefaults:
         known = {k: v for k, v in values.items() if k in _DEFAULTED}
         if not known:
             return self
-        if "top_k" in known:
-            known["top_k"] = int(known["top_k"])
+        for integer in ("top_k", "penalty_last_n"):
+            if integer in known:
+                known[integer] = int(known[integer])
         return replace(self, source=source, **known)  # type: ignore[arg-type]
 
     @staticmethod
@@ -101,11 +110,13 @@ class SamplerDefaults:
             "top_k": self.top_k,
             "top_p": self.top_p,
             "min_p": self.min_p,
+            "repeat_penalty": self.repeat_penalty,
+            "repeat_last_n": self.penalty_last_n,
             "source": self.source,
         }
 
 
-_DEFAULTED = ("temperature", "top_k", "top_p", "min_p")
+_DEFAULTED = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "penalty_last_n")
 LLAMA_CPP_SAMPLING = SamplerDefaults()
 
 
@@ -113,19 +124,19 @@ LLAMA_CPP_SAMPLING = SamplerDefaults()
 class SamplingParams:
     """Per-request sampler chain settings (llama.cpp semantics).
 
-    ``temperature <= 0`` means greedy. ``seed is None`` means random. The four
-    fields that may be ``None`` were left out by the client: the backend fills them
-    (a local model with its :class:`SamplerDefaults`; an upstream is not sent them).
+    ``temperature <= 0`` means greedy. ``seed is None`` means random. The fields
+    that may be ``None`` were left out by the client: the backend fills them (a local
+    model with its :class:`SamplerDefaults`; an upstream is not sent them).
     """
 
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
-    repeat_penalty: float = 1.0
+    repeat_penalty: float | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    penalty_last_n: int = 64
+    penalty_last_n: int | None = None
     seed: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     ignore_eos: bool = False
@@ -138,7 +149,7 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         return (
-            self.repeat_penalty != 1.0
+            self.repeat_penalty not in (None, 1.0)
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )

@@ -646,14 +646,15 @@ class LlamaRunner:
         chain = L.llama_sampler_chain_init(chain_params)
         if biases:
             L.llama_sampler_chain_add(chain, self._bias_sampler(biases))
-        if params.uses_penalties and params.penalty_last_n != 0:
+        window = params.penalty_last_n if params.penalty_last_n is not None else 64
+        if params.uses_penalties and window != 0:
             # llama.cpp's convention: -1 is the whole context, 0 turns penalties off.
-            last_n = self.n_ctx_seq if params.penalty_last_n < 0 else params.penalty_last_n
+            last_n = self.n_ctx_seq if window < 0 else window
             last_n = min(last_n, self.n_ctx_seq)
             penalties = L.llama_sampler_init_penalties(
                 self.n_vocab,  # the pinned bindings still take n_vocab first
                 last_n,
-                params.repeat_penalty,
+                1.0 if params.repeat_penalty is None else params.repeat_penalty,
                 params.frequency_penalty,
                 params.presence_penalty,
             )

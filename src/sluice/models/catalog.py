@@ -322,6 +322,8 @@ _SAMPLING_BOUNDS = {
     "top_k": (0, 2**31 - 1),
     "top_p": (0.0, 1.0),
     "min_p": (0.0, 1.0),
+    "repeat_penalty": (0.0, 10.0),
+    "penalty_last_n": (-1, 2**31 - 1),
 }
 
 
@@ -336,7 +338,7 @@ def _sampling(e: _Entry) -> tuple[tuple[str, float], ...]:
             raise e.error(
                 f"sampling.{key}", f"is not a known key (known: {', '.join(_SAMPLING_BOUNDS)})"
             )
-        integer = key == "top_k"
+        integer = key in ("top_k", "penalty_last_n")
         if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)):
             kind = "an integer" if integer else "a number"
             raise e.error(f"sampling.{key}", f"must be {kind}, not {describe_value(v)}")

@@ -54,7 +54,6 @@ TEXT_PATH = "/completions"
 # so far, the same semantics sluice's own lazy grammars have (llama_runner passes the
 # triggers to llama_sampler_init_grammar_lazy_patterns).
 _TRIGGER_PATTERN = 2
-_DEFAULT_PENALTY_LAST_N = 64  # SamplingParams' default, and llama-server's
 _MAX_ERROR_TEXT = 2000  # a plain-text error body can be a whole HTML page
 
 # -- request -------------------------------------------------------------------------
@@ -149,12 +148,12 @@ def _sampling(request: GenerationRequest) -> dict[str, Any]:
         out["top_k"] = s.top_k
     if s.min_p is not None:
         out["min_p"] = s.min_p
-    if s.repeat_penalty != 1.0:
+    if s.repeat_penalty is not None:
         # Both spellings: llama-server reads repeat_penalty, vLLM and SGLang
         # repetition_penalty; each ignores the other's.
         out["repeat_penalty"] = s.repeat_penalty
         out["repetition_penalty"] = s.repeat_penalty
-    if s.penalty_last_n != _DEFAULT_PENALTY_LAST_N:
+    if s.penalty_last_n is not None:
         out["repeat_last_n"] = s.penalty_last_n  # llama-server only
     if s.ignore_eos:
         out["ignore_eos"] = True

@@ -201,7 +201,7 @@ class ChatRequest(_Wire):
             # llama.cpp takes int32: a top_k past the vocabulary is the same as none.
             top_k=None if self.top_k is None else min(self.top_k, _INT32_MAX),
             min_p=self.min_p,
-            repeat_penalty=self.repeat_penalty or 1.0,
+            repeat_penalty=self.repeat_penalty,
         )
 
     def to_request(

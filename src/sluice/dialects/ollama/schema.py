@@ -62,10 +62,10 @@ class Options(_Wire):
             top_k=None if self.top_k is None else min(self.top_k, _INT32_MAX),
             top_p=self.top_p,
             min_p=self.min_p,
-            repeat_penalty=self.repeat_penalty or 1.0,
+            repeat_penalty=self.repeat_penalty,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            penalty_last_n=64
+            penalty_last_n=None
             if self.repeat_last_n is None
             else min(self.repeat_last_n, _INT32_MAX),
             # Ollama's seed -1 (and none) is random, as sluice's None is.

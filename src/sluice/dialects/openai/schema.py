@@ -110,14 +110,14 @@ class _SamplingFields(_Wire):
 
     def sampling_params(self) -> SamplingParams:
         """This request's sampler settings as engine parameters."""
-        last_n = 64 if self.repeat_last_n is None else min(self.repeat_last_n, _INT32_MAX)
+        last_n = None if self.repeat_last_n is None else min(self.repeat_last_n, _INT32_MAX)
         return SamplingParams(
             temperature=self.temperature,
             top_p=self.top_p,
             # llama.cpp takes int32: a top_k past the vocabulary is the same as none.
             top_k=None if self.top_k is None else min(self.top_k, _INT32_MAX),
             min_p=self.min_p,
-            repeat_penalty=self.repeat_penalty or 1.0,
+            repeat_penalty=self.repeat_penalty,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             penalty_last_n=last_n,
