@@ -23,6 +23,8 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     config.write_text(
         '[[models]]\nname = "greedy-fox"\nsource = "smollm2"\n'
         "sampling = { temperature = 0, top_k = 7 }\n"
+        '[[models]]\nname = "fussy-fox"\nsource = "smollm2"\n'
+        "sampling = { temperature = 0, repeat_penalty = 1.8, penalty_last_n = 256 }\n"
     )
     with serve_process("--config", str(config), "--parallel", "2", *QUIET) as url:
         yield url
@@ -42,6 +44,8 @@ def test_info_shows_each_models_defaults_and_where_they_come_from(base: str) -> 
         "top_k": 7,
         "top_p": 0.95,
         "min_p": 0.05,
+        "repeat_penalty": 1.0,
+        "repeat_last_n": 64,
         "source": "config",
     }
     # The packaged SmolLM2 declares none in its GGUF: llama.cpp's server's defaults.
@@ -50,6 +54,8 @@ def test_info_shows_each_models_defaults_and_where_they_come_from(base: str) -> 
         "top_k": 40,
         "top_p": 0.95,
         "min_p": 0.05,
+        "repeat_penalty": 1.0,
+        "repeat_last_n": 64,
         "source": "llama.cpp",
     }
 
@@ -65,3 +71,10 @@ def test_a_left_out_temperature_takes_the_config_entrys(base: str) -> None:
     # The same model under its packaged name samples at llama.cpp's 0.8: seeds differ.
     packaged = {_chat(base, "smollm2", seed=s) for s in (1, 2, 3, 4)}
     assert len(packaged) > 1
+
+
+def test_a_left_out_repeat_penalty_takes_the_config_entrys(base: str) -> None:
+    """Greedy both times: only the penalty can make the answers differ."""
+    penalized = _chat(base, "fussy-fox")
+    assert _chat(base, "fussy-fox", repeat_penalty=1.8, repeat_last_n=256) == penalized
+    assert _chat(base, "fussy-fox", repeat_penalty=1.0) != penalized
