@@ -247,3 +247,11 @@ def test_a_deferred_lazy_grammar_engages_at_its_trigger(
     text, sampler = generate(runner, params, plain, 12)
     assert text == free and "<tool_call>" not in text
     assert sampler.scan is not None and sampler.scan.checks == 0
+
+
+def test_ignore_eos_gives_way_to_a_complete_grammar(runner: LlamaRunner) -> None:
+    """A grammar's end is the output's end: with ignore_eos too, once the grammar is
+    complete only the end may come (banned, nothing could be sampled)."""
+    params = SamplingParams(temperature=0.0, ignore_eos=True, grammar='start: "{}"')
+    text, _ = generate(runner, params, "JSON:", 12)
+    assert text == "{}", text

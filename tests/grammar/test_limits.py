@@ -240,3 +240,25 @@ def test_schema_bytes_name_the_field_that_passes_the_limit() -> None:
     # Checked before any grammar is built (tool_choice none builds none).
     with pytest.raises(InvalidRequest):
         plans.plan(ToolLimits(max_schema_bytes=10), tools=tools, tool_choice="none")
+
+
+def test_a_deep_ref_chain_compiles_on_a_worker_threads_stack() -> None:
+    """2,000 nested $defs (126 kB, under the schema limit) crashed the process with a
+    segfault when llguidance checked it on an 8 MiB thread; checks run on deep-stack
+    threads now. In a child process: a regression must not take pytest down."""
+    code = r"""
+import threading
+from sluice.grammar import json_schema_grammar
+n = 2000
+defs = {f"d{i}": {"type": "array", "items": {"$ref": f"#/$defs/d{i + 1}"}} for i in range(n)}
+defs[f"d{n}"] = {"type": "integer"}
+out = []
+t = threading.Thread(target=lambda: out.append(json_schema_grammar({"$defs": defs, "$ref": "#/$defs/d0"})))
+t.start(); t.join()
+assert out and out[0].startswith("start:"), out
+print("ok")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0 and "ok" in done.stdout, (done.returncode, done.stderr[-500:])

@@ -151,6 +151,24 @@ def test_listed_properties_close_the_object_unless_the_schema_opens_it(judge: Ju
     assert judge.accepts(g, json.dumps({"x": value}))
 
 
+def test_all_of_branches_describe_one_object(judge: Judge) -> None:
+    """Closing each branch of an allOf would make it refuse the others' keys."""
+    schema = {
+        "allOf": [
+            {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+            {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]},
+        ]
+    }
+    g = json_schema_grammar(schema)
+    assert judge.accepts(g, '{"a": 1, "b": 2}') and not judge.accepts(g, '{"a": 1}')
+    # A property named like a keyword is a property: its object is closed as usual.
+    g = json_schema_grammar(
+        _field({"type": "object", "properties": {"default": {"type": "integer"}}})
+    )
+    assert judge.accepts(g, '{"x": {"default": 1}}')
+    assert not judge.accepts(g, '{"x": {"default": 1, "y": 2}}')
+
+
 @pytest.mark.parametrize("fmt", ["hermes", "mistral", "llama3"])
 def test_tool_grammar_frames_each_call(judge: Judge, fmt: str) -> None:
     params = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}

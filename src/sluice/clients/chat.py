@@ -98,7 +98,11 @@ class Chat:
                 self.model, self.conversation = arg.strip(), None
                 self.say(f"(model {self.model}, new conversation)", DIM)
             case "model":
-                names = [m.get("id") for m in self._models()]
+                try:
+                    names = [m.get("id") for m in self._models()]
+                except (httpx.HTTPError, ValueError) as exc:
+                    self.say(f"error: cannot list the models: {exc}", RED)
+                    return True
                 current = self.model or "(the server's default)"
                 self.say(f"model: {current}; the server has: {', '.join(map(str, names))}")
             case _:
@@ -179,7 +183,10 @@ class Chat:
 def _data_lines(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
     for line in lines:
         if line.startswith("data: ") and line != "data: [DONE]":
-            yield json.loads(line[6:])
+            try:
+                yield json.loads(line[6:])
+            except ValueError:  # not a frame of ours: skipped
+                continue
 
 
 def read_message(prompt: Callable[[str], str]) -> str | None:

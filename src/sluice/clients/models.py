@@ -94,6 +94,12 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
     except httpx.HTTPError as exc:
         console.print(f"[red]error:[/red] cannot reach {args.url}: {exc}", highlight=False)
         return 1
+    except ValueError as exc:  # an answer that is not the JSON expected
+        console.print(f"[red]error:[/red] unexpected answer from {args.url}: {exc}")
+        return 1
+    except KeyboardInterrupt:  # the server goes on with a load or a download
+        console.print("stopped (the server goes on with what it was asked)")
+        return 130
 
 
 def _call(client: httpx.Client, path: str, body: dict[str, Any] | None = None) -> Any:
@@ -173,7 +179,10 @@ def _load(client: httpx.Client, console: Console, args: argparse.Namespace) -> i
             if event == "model_load.progress":
                 bar.update(task, completed=float(data.get("progress") or 0.0))
             elif event == "error":
-                raise CommandError((data.get("error") or {}).get("message") or "load failed")
+                error = data.get("error")
+                raise CommandError(
+                    (error.get("message") if isinstance(error, dict) else error) or "load failed"
+                )
             elif event == "model_load.end":
                 bar.update(task, completed=1.0)
                 seconds = data.get("load_time_seconds") or 0.0

@@ -93,7 +93,7 @@ class SamplerDefaults:
                 number = float(value)
             except (TypeError, ValueError):
                 continue
-            if math.isfinite(number):
+            if math.isfinite(number) and (name != "repeat_penalty" or number > 0):
                 out[name] = number
         return out
 

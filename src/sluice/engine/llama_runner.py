@@ -370,6 +370,7 @@ class LlamaRunner:
         self._cand = np.zeros(self.n_vocab, dtype=_TOKEN_DATA)
         self._cand_ids = np.arange(self.n_vocab, dtype=np.int32)
         self._cand_arr = _token_data_array(L, self._cand)
+        self._cand_data = self._cand_arr.data
         self._grammars = Grammars(self._vocab, self.n_vocab, self._eog_tokens)
         self.grammar_checks = 0  # tokens checked against a grammar (tests, stats)
         self.grammar_rejections = 0  # of those, rejected: a full pass was needed
@@ -616,7 +617,9 @@ class LlamaRunner:
                 )
         params = LLAMA_CPP_SAMPLING.fill(params)  # fields left out: llama.cpp's defaults
         biases = list(params.logit_bias)
-        if params.ignore_eos:
+        if params.ignore_eos and not params.grammar:
+            # (With a grammar, its end is the output's end: banning it would leave
+            # nothing to sample once the grammar is complete.)
             biases += [(t, float("-inf")) for t in self._eog_tokens()]
         grammar = self._grammars.gate(params.grammar) if params.grammar else None
         penalties_on = params.uses_penalties and params.penalty_last_n != 0
@@ -861,11 +864,14 @@ class LlamaRunner:
         cand["logit"] = self._logits(row)
         cand["p"] = 0.0
         arr = self._cand_arr
+        arr.data = self._cand_data  # in case a sampler pointed it elsewhere
         arr.size, arr.selected, arr.sorted = self.n_vocab, -1, False
         if gate is not None:
             cand["logit"][~gate.allowed()] = -np.inf
         if sampler.ptr is not None:  # as llama_sampler_sample: top-k & co. release the GIL
             self._L.llama_sampler_apply(sampler.ptr, ctypes.byref(arr))
+            if not 0 <= arr.selected < arr.size:
+                raise DecodeError(f"the sampler chose no token (selected {arr.selected})")
             return int(arr.data[arr.selected].id)
         logits = cand["logit"]
         if sampler.bias is not None:

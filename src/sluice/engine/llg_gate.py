@@ -22,61 +22,16 @@ Example::
 
 from __future__ import annotations
 
-import queue
 import threading
 import warnings
 from collections.abc import Callable
-from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from sluice.core.deepstack import run_deep
 from sluice.core.errors import InvalidRequest
-
-T = TypeVar("T")
-
-# llguidance compiles nested rules recursively, about 4 KiB of native stack a level:
-# a grammar of 4,096 nested rules overflowed a thread's default 8 MiB and crashed
-# the process (16 MiB were enough). Compiles run on threads of their own with this
-# much stack (address space, used only as needed), whatever the grammar.
-COMPILE_STACK = 512 << 20
-COMPILE_THREADS = 2
-
-
-class _Compilers:
-    """Threads with a deep stack that run grammar compiles (see COMPILE_STACK)."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
-        self._started = False
-        self._lock = threading.Lock()
-
-    def run(self, fn: Callable[[], T]) -> T:
-        with self._lock:
-            if not self._started:
-                old = threading.stack_size(COMPILE_STACK)
-                try:
-                    for i in range(COMPILE_THREADS):
-                        name = f"sluice-grammar-{i}"
-                        threading.Thread(target=self._loop, name=name, daemon=True).start()
-                finally:
-                    threading.stack_size(old)
-                self._started = True
-        done: Future[T] = Future()
-        self._jobs.put((fn, done))
-        return done.result()
-
-    def _loop(self) -> None:
-        while True:
-            fn, done = self._jobs.get()
-            try:
-                done.set_result(fn())
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
-                done.set_exception(exc)
-
-
-_compilers = _Compilers()
 
 
 class Gate:
@@ -157,7 +112,7 @@ class Grammars:
 
         grammar = llguidance.LLMatcher.grammar_from_lark(lark)
         tokenizer = self.tokenizer()
-        matcher = _compilers.run(lambda: llguidance.LLMatcher(tokenizer, grammar, log_level=0))
+        matcher = run_deep(lambda: llguidance.LLMatcher(tokenizer, grammar, log_level=0))
         if matcher.is_error():
             raise InvalidRequest(
                 f"The constraint grammar could not be compiled: {matcher.get_error()}"

@@ -140,11 +140,11 @@ class PromptCache:
         """Keep ``state`` for ``tokens`` (a copy of the list is kept); evict to fit."""
         if not self.enabled or not tokens or not state:
             return
-        limit = self._limit()  # before the state counts: it is not held by the cache yet
-        if len(state) > limit:
-            return
         tokens = list(tokens)
-        with self._lock:
+        with self._lock:  # (room() takes no lock of ours: no deadlock)
+            limit = self._limit()  # before the state counts: the cache does not hold it yet
+            if len(state) > limit:
+                return
             for key in [
                 k
                 for k, e in self._entries.items()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from sluice.core.deepstack import run_deep
 from sluice.core.errors import InvalidRequest
 from sluice.grammar.spec import CallFraming, ToolSpec
 
@@ -36,17 +37,30 @@ JSON_OPTIONS = {
 _DATA = frozenset({"enum", "const", "default", "examples"})  # values, not schemas
 
 
-def _closed(node: Any) -> Any:
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions"})
+
+
+def _closed(node: Any, close: bool = True) -> Any:
     """A copy of a schema whose objects with ``properties`` and no word on others admit
     no others: what llama.cpp's converter (and so llama-server) generates, and what a
     client listing properties expects, where JSON Schema would let the model add any
-    key it likes."""
+    key it likes. The branches of an ``allOf`` describe one object together, so they
+    stay open (each would refuse the others' keys)."""
     if isinstance(node, list):
         return [_closed(x) for x in node]
     if not isinstance(node, dict):
         return node
-    out = {k: v if k in _DATA else _closed(v) for k, v in node.items()}
-    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in _DATA:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):  # names -> schemas
+            out[key] = {name: _closed(schema) for name, schema in value.items()}
+        elif key == "allOf" and isinstance(value, list):
+            out[key] = [_closed(branch, close=False) for branch in value]
+        else:
+            out[key] = _closed(value)
+    if close and isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out
 
@@ -74,7 +88,10 @@ def check(grammar: str, param: str, what: str) -> str:
     """``grammar`` if llguidance compiles it; a 400 naming ``param`` if not."""
     import llguidance
 
-    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    # A deep stack: llguidance recurses through nested rules and $ref chains.
+    failed, messages = run_deep(
+        lambda: llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    )
     if failed:
         reason = " ".join(m.strip().splitlines()[0] for m in messages[:1]) or "unknown error"
         reason = reason.split("failed to compile JSON schema: ", 1)[-1]

@@ -322,7 +322,7 @@ _SAMPLING_BOUNDS = {
     "top_k": (0, 2**31 - 1),
     "top_p": (0.0, 1.0),
     "min_p": (0.0, 1.0),
-    "repeat_penalty": (0.0, 10.0),
+    "repeat_penalty": (0.01, 10.0),  # llama.cpp divides logits by it
     "penalty_last_n": (-1, 2**31 - 1),
 }
 

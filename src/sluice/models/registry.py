@@ -207,11 +207,14 @@ class _Entry:
     def held(self) -> int:
         """Bytes this model holds or is about to hold: its load's estimate, and what it
         took since (prompt cache, embedding context), so the guard counts both."""
-        if self.loading is not None:
-            return self.loading.estimate
-        if self.instance is None:
+        # Read once each: other threads ask (the engines' prompt caches, through
+        # _SharedBudget) while the loop may be clearing them.
+        loading, instance = self.loading, self.instance
+        if loading is not None:
+            return loading.estimate
+        if instance is None:
             return 0
-        return self.instance.estimate + self.instance.model.extra_bytes()
+        return instance.estimate + instance.model.extra_bytes()
 
     def activity(self) -> str:
         if self.loading is not None:
@@ -462,7 +465,11 @@ class ModelRegistry:
         need = await self._estimate(spec, options)
         if self._closed or entry.state() != "not_loaded":
             return  # the state moved on while sizing: the caller looks again
-        victims = self._make_room(spec, need)
+        try:
+            victims = self._make_room(spec, need)
+        except BaseException:
+            self._room.pending = 0
+            raise
         for victim in victims:
             log.info(
                 "unloading '%s' (least recently used) to load '%s'", victim.spec.name, spec.name
@@ -472,6 +479,7 @@ class ModelRegistry:
         unloads = [e.unloading for e in self._entries.values() if e.unloading is not None]
         load = _Load(spec, options, need)
         entry.loading = load
+        self._room.pending = 0
         load.task = asyncio.create_task(self._load(entry, load, unloads), name=f"load {spec.name}")
         # Retrieved here so a failed load nobody waits for any more logs no warning.
         load.task.add_done_callback(lambda t: t.cancelled() or t.exception())
@@ -499,6 +507,8 @@ class ModelRegistry:
         loaded model."""
         holders = [e for e in self._entries.values() if e.holds()]
         over = sum(h.held() for h in holders) + need - self._budget
+        # Counted as held until the load is (the caches must not refill the room).
+        self._room.pending = need
         if over > 0 and need <= self._budget:  # (too large for any room: nothing to drop)
             freed = self._room.reclaim(over)
             if freed:
@@ -684,11 +694,13 @@ class _SharedBudget:
 
     def __init__(self, registry: ModelRegistry) -> None:
         self._registry = registry
+        self.pending = 0  # a load being planned, not yet in its entry
 
     def free(self) -> int:
         registry = self._registry
         # A copy first: the loop may add an entry meanwhile (tuple() holds the GIL).
-        return registry._budget - sum(e.held() for e in tuple(registry._entries.values()))
+        held = sum(e.held() for e in tuple(registry._entries.values()))
+        return registry._budget - held - self.pending
 
     def reclaim(self, nbytes: int) -> int:
         instances = [e.instance for e in tuple(self._registry._entries.values())]
