@@ -66,7 +66,7 @@ from harness import RESULTS, model_path
 from harness.client import body_of, connect
 from harness.llama_build import build_info, ensure_llama_server
 from harness.machine import Noise, loadavg, machine_info, proc_cpu_seconds
-from harness.prompts import ADJS, PEOPLE, PLACES, SENTENCES, THINGS, TIMES
+from harness.prompts import sentence
 from harness.report import (
     machine_line,
     now,
@@ -100,15 +100,7 @@ class Texts:
     def take(self, n: int) -> list[str]:
         out: list[str] = []
         while len(out) < n:
-            rng = self.rng
-            s = rng.choice(SENTENCES).format(
-                time=rng.choice(TIMES),
-                person=rng.choice(PEOPLE),
-                place=rng.choice(PLACES),
-                thing=rng.choice(THINGS),
-                adj=rng.choice(ADJS),
-            )
-            s = s[0].upper() + s[1:]
+            s = sentence(self.rng)
             if 8 <= len(s.split()) <= 15 and s not in self.seen:
                 self.seen.add(s)
                 out.append(s)

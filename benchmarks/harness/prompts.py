@@ -81,16 +81,21 @@ SENTENCES = [
 ]
 
 
+def sentence(rng: random.Random) -> str:
+    """One story sentence, its blanks filled from ``rng``, capitalized."""
+    s = rng.choice(SENTENCES).format(
+        time=rng.choice(TIMES),
+        person=rng.choice(PEOPLE),
+        place=rng.choice(PLACES),
+        thing=rng.choice(THINGS),
+        adj=rng.choice(ADJS),
+    )
+    return s[0].upper() + s[1:]
+
+
 def paragraph(rng: random.Random, words: int) -> str:
     """At least ``words`` words of a story, sentence by sentence, drawn from ``rng``."""
     out: list[str] = []
     while sum(len(s.split()) for s in out) < words:
-        s = rng.choice(SENTENCES).format(
-            time=rng.choice(TIMES),
-            person=rng.choice(PEOPLE),
-            place=rng.choice(PLACES),
-            thing=rng.choice(THINGS),
-            adj=rng.choice(ADJS),
-        )
-        out.append(s[0].upper() + s[1:])
+        out.append(sentence(rng))
     return " ".join(out)

@@ -26,7 +26,7 @@ from typing import Any, TextIO
 
 import httpx
 
-from sluice.clients.models import DEFAULT_URL, error_text
+from sluice.clients.models import add_server_args, auth_headers, error_text
 
 DIM, RESET, RED = "\x1b[2m", "\x1b[0m", "\x1b[31m"
 HELP = (
@@ -44,17 +44,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "server (/c1). Ctrl-C stops an answer, Ctrl-D or /exit quits, /help lists the "
         "commands.",
     )
-    p.add_argument(
-        "--url",
-        default=os.environ.get("SLUICE_URL", DEFAULT_URL),
-        help=f"the server (default: $SLUICE_URL, else {DEFAULT_URL})",
-    )
+    add_server_args(p)
     p.add_argument("--model", help="the model (default: the server's default model)")
-    p.add_argument(
-        "--api-key",
-        default=os.environ.get("SLUICE_API_KEY"),
-        help="its API key, when it has keys (default: $SLUICE_API_KEY)",
-    )
     p.add_argument("--max-tokens", type=int, help="tokens an answer may have")
 
 
@@ -218,7 +209,7 @@ def read_message(prompt: Callable[[str], str]) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    headers = auth_headers(args.api_key)
     color = sys.stdout.isatty() and "NO_COLOR" not in os.environ
     try:  # line editing and history where the platform has it
         import readline  # noqa: F401

@@ -42,12 +42,8 @@ class CommandError(Exception):
     """What went wrong, in words for the terminal (the command exits with 1)."""
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "models",
-        help="list, load, unload or download models on a running server",
-        description="Manage the models of a running sluice server over its HTTP API.",
-    )
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    """``--url`` and ``--api-key``: the server a client command talks to."""
     p.add_argument(
         "--url",
         default=os.environ.get("SLUICE_URL", DEFAULT_URL),
@@ -58,6 +54,19 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=os.environ.get("SLUICE_API_KEY"),
         help="its API key, when it has keys (default: $SLUICE_API_KEY)",
     )
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "models",
+        help="list, load, unload or download models on a running server",
+        description="Manage the models of a running sluice server over its HTTP API.",
+    )
+    add_server_args(p)
     verbs = p.add_subparsers(dest="verb", required=True)
     verbs.add_parser("list", help="every model the server knows, and its state")
     load = verbs.add_parser("load", help="load a model, with a progress bar")
@@ -74,9 +83,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def run(args: argparse.Namespace, console: Console | None = None) -> int:
     console = console or Console(stderr=False)
-    headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     try:
-        with httpx.Client(base_url=args.url, headers=headers, timeout=30) as client:
+        with httpx.Client(
+            base_url=args.url, headers=auth_headers(args.api_key), timeout=30
+        ) as client:
             match args.verb:
                 case "list":
                     return _list(client, console)

@@ -84,6 +84,11 @@ def _literal(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
+def _around(before: str, body: str, after: str) -> str:
+    """``body`` between the literals ``before`` and ``after`` (each left out if empty)."""
+    return " ".join(p for p in (before and _literal(before), body, after and _literal(after)) if p)
+
+
 def check(grammar: str, param: str, what: str) -> str:
     """``grammar`` if llguidance compiles it; a 400 naming ``param`` if not."""
     import llguidance
@@ -124,24 +129,8 @@ def tool_call_grammar(tools: list[ToolSpec], framing: CallFraming, *, max_calls:
         rules.append(f"tool_{i}: {_literal(head)} args_{i} {_literal('}')}")
         rules.append(f"args_{i}: {args}")
         names.append(f"tool_{i}")
-    call = " ".join(
-        p
-        for p in (
-            _literal(framing.call_open) if framing.call_open else "",
-            f"({' | '.join(names)})",
-            _literal(framing.call_close) if framing.call_close else "",
-        )
-        if p
-    )
+    call = _around(framing.call_open, f"({' | '.join(names)})", framing.call_close)
     more = f" ({_literal(framing.sep)} call){{0,{max_calls - 1}}}" if max_calls > 1 else ""
-    start = " ".join(
-        p
-        for p in (
-            _literal(framing.prefix) if framing.prefix else "",
-            f"call{more}",
-            _literal(framing.suffix) if framing.suffix else "",
-        )
-        if p
-    )
+    start = _around(framing.prefix, f"call{more}", framing.suffix)
     grammar = "\n".join([f"start: {start}", f"call: {call}", *rules]) + "\n"
     return check(grammar, "tools", "tool grammar")
