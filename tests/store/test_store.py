@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -20,6 +21,7 @@ import pytest
 
 from sluice.store import (
     MIGRATIONS,
+    ROOT,
     DuplicateMessageId,
     InvalidParent,
     NewMessage,
@@ -448,3 +450,46 @@ async def test_the_migration_log_names_the_file(
     lines = [r.getMessage() for r in caplog.records if "migrated" in r.getMessage()]
     assert lines and all(str(path) in line for line in lines), lines
     assert not any("Connection" in line for line in lines), lines
+
+
+async def test_rename_keeps_the_order_and_is_owner_checked(store: SQLiteStore) -> None:
+    older = await store.create_conversation(owner="alice", user_id=None, model="m")
+    newer = await store.create_conversation(owner="alice", user_id=None, model="m")
+    renamed = await store.rename_conversation(older.id, owner="alice", user_id=None, title="Plans")
+    assert renamed is not None and renamed.title == "Plans"
+    assert renamed.updated_at == older.updated_at  # a name is not a turn
+    page, _ = await store.list_conversations(owner="alice", user_id=None, limit=5, offset=0)
+    assert [c.id for c in page] == [newer.id, older.id]
+    assert page[1].title == "Plans" and page[0].title is None
+    assert await store.rename_conversation(older.id, owner="bob", user_id=None, title="x") is None
+    assert await store.rename_conversation(older.id, owner="alice", user_id="u", title="x") is None
+    cleared = await store.rename_conversation(older.id, owner="alice", user_id=None, title=None)
+    assert cleared is not None and cleared.title is None
+
+
+async def test_a_new_root_branches_from_the_start(store: SQLiteStore) -> None:
+    conv = await store.create_conversation(owner="a", user_id=None, model="m")
+    first = await store.add_message(conv.id, user("one"))
+    await store.add_message(conv.id, assistant("two"))
+    again = await store.add_message(conv.id, user("one, edited", parent_id=ROOT))
+    assert again.parent_id is None
+    now = await store.get_conversation(conv.id, owner="a", user_id=None)
+    assert now is not None and now.head_id == again.id and now.message_count == 3
+    assert [m.id for m in await store.path(again.id)] == [again.id]
+    assert first.parent_id is None
+
+
+async def test_a_database_of_the_previous_schema_gains_titles(tmp_path: Path) -> None:
+    path = tmp_path / "old.db"
+    async with await SQLiteStore.open(path, migrations=MIGRATIONS[:2]):
+        pass
+    with contextlib.closing(sqlite3.connect(path)) as conn, conn:
+        conn.execute(
+            "INSERT INTO conversations (id, owner, model, created_at, updated_at, message_count)"
+            " VALUES ('conv_old', 'a', 'm', 1, 1, 0)"
+        )
+    async with await SQLiteStore.open(path) as store:
+        got = await store.get_conversation("conv_old", owner="a", user_id=None)
+        assert got is not None and got.title is None
+        renamed = await store.rename_conversation("conv_old", owner="a", user_id=None, title="t")
+        assert renamed is not None and renamed.title == "t"

@@ -199,6 +199,11 @@ def create_app(
                 gateway.delete_conversation,
                 methods=["DELETE"],
             ),
+            Route(
+                "/c1/conversations/{conversation_id}",
+                gateway.update_conversation,
+                methods=["PATCH"],
+            ),
             Route("/v1/info", ops.catalog, methods=["GET"]),
             Route("/metrics", ops.metrics, methods=["GET"]),
             Route("/health", ops.health, methods=["GET"]),

@@ -10,6 +10,7 @@ Example::
 """
 
 from sluice.store.models import (
+    ROOT,
     Conversation,
     DuplicateMessageId,
     InvalidParent,
@@ -26,6 +27,7 @@ from sluice.store.sqlite import MIGRATIONS, SQLiteStore
 
 __all__ = [
     "MIGRATIONS",
+    "ROOT",
     "Conversation",
     "ConversationStore",
     "DuplicateMessageId",

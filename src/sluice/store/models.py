@@ -26,6 +26,7 @@ MESSAGE_STATUSES: tuple[MessageStatus, ...] = ("complete", "incomplete", "failed
 
 CONVERSATION_PREFIX = "conv_"
 MESSAGE_PREFIX = "msg_"
+ROOT = ""  # NewMessage.parent_id for a new root (no parent) in a conversation that has one
 
 
 def new_id(prefix: str) -> str:
@@ -51,6 +52,7 @@ class Conversation:
     updated_at: float
     head_id: str | None  # the latest message of the main line (what the next turn continues)
     message_count: int
+    title: str | None = None  # a name the user gave it (None until renamed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +87,8 @@ class NewMessage:
     """The fields of a :class:`Message` that a caller supplies; the store fills in the rest.
 
     ``parent_id`` None means "the conversation's head" (for the first message:
-    none, a root). ``id`` None means a fresh ``msg_`` id.
+    none, a root); :data:`ROOT` makes it a new root beside the first (a branch
+    from the very start). ``id`` None means a fresh ``msg_`` id.
 
     Example::
 

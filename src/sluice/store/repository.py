@@ -59,6 +59,13 @@ class ConversationStore(Protocol):
         """Delete it with all its messages; False if unknown or someone else's."""
         ...
 
+    async def rename_conversation(
+        self, conversation_id: str, *, owner: str, user_id: str | None, title: str | None
+    ) -> Conversation | None:
+        """Set (or clear, with None) its title; the renamed conversation, None if
+        unknown or someone else's. ``updated_at`` stays: a name is not a turn."""
+        ...
+
     async def add_message(
         self, conversation_id: str, message: NewMessage, *, advance_head: bool = True
     ) -> Message:

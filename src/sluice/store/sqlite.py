@@ -47,6 +47,7 @@ from sluice.store.models import (
     CONVERSATION_PREFIX,
     MESSAGE_PREFIX,
     MESSAGE_STATUSES,
+    ROOT,
     Conversation,
     DuplicateMessageId,
     InvalidParent,
@@ -110,13 +111,18 @@ MIGRATIONS: tuple[str, ...] = (
         input_items TEXT NOT NULL  -- JSON
     );
     """,
+    """
+    ALTER TABLE conversations ADD COLUMN title TEXT;  -- a name the user gave it
+    """,
 )
 
 # Enough to share one fsync among every turn that ends at about the same time,
 # small enough that one transaction never holds the writer for long.
 _MAX_BATCH = 256
 
-_CONVERSATION_COLUMNS = "id, owner, user_id, model, created_at, updated_at, head_id, message_count"
+_CONVERSATION_COLUMNS = (
+    "id, owner, user_id, model, created_at, updated_at, head_id, message_count, title"
+)
 # The columns are the dataclass's fields, in its order: a row is a Message's arguments.
 _MESSAGE_FIELDS = tuple(field.name for field in dataclasses.fields(Message))
 _MESSAGE_COLUMNS = ", ".join(_MESSAGE_FIELDS)
@@ -215,8 +221,8 @@ class SQLiteStore:
                 message_count=0,
             )
             conn.execute(
-                f"INSERT INTO conversations ({_CONVERSATION_COLUMNS}) VALUES (?,?,?,?,?,?,?,?)",
-                (conversation.id, owner, user_id, model, now, now, None, 0),
+                f"INSERT INTO conversations ({_CONVERSATION_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?)",
+                (conversation.id, owner, user_id, model, now, now, None, 0, None),
             )
             return conversation
 
@@ -269,6 +275,20 @@ class SQLiteStore:
                 (conversation_id, owner, user_id),
             )
             return cursor.rowcount > 0
+
+        return await self._call(work, writes=True)
+
+    async def rename_conversation(
+        self, conversation_id: str, *, owner: str, user_id: str | None, title: str | None
+    ) -> Conversation | None:
+        def work(conn: sqlite3.Connection) -> Conversation | None:
+            # A new name is not a new turn: updated_at (the list's order) stays.
+            row = conn.execute(
+                "UPDATE conversations SET title = ? WHERE id = ? AND owner = ? AND user_id IS ?"
+                f" RETURNING {_CONVERSATION_COLUMNS}",
+                (title, conversation_id, owner, user_id),
+            ).fetchone()
+            return None if row is None else Conversation(*row)
 
         return await self._call(work, writes=True)
 
@@ -420,7 +440,9 @@ class SQLiteStore:
         stored: list[Message] = []
         for new in batch:
             parent_id = new.parent_id if new.parent_id is not None else previous
-            if parent_id is not None:
+            if parent_id == ROOT:
+                parent_id = None  # a second root: a branch from the very start
+            elif parent_id is not None:
                 # A parent in another conversation would tie two conversations'
                 # lifetimes together (deleting one would orphan the other's messages).
                 owner_row = conn.execute(

@@ -201,3 +201,70 @@ def test_bad_input_is_a_clear_error_and_stores_nothing(server: str) -> None:
         assert r.json()["error"]["param"] == param
     after = httpx.get(f"{server}/c1/conversations", headers=_auth(ALICE)).json()["total"]
     assert after == before
+
+
+def test_rename_a_conversation(server: str) -> None:
+    first = turn(server, ALICE, "Hello")
+    cid = first.headers["x-conversation-id"]
+    url = f"{server}/c1/conversations/{cid}"
+    assert httpx.get(url, headers=_auth(ALICE)).json()["title"] is None
+    renamed = httpx.patch(url, json={"title": "  Greetings\n and more "}, headers=_auth(ALICE))
+    assert renamed.status_code == 200
+    assert renamed.json()["title"] == "Greetings and more"
+    listed = httpx.get(f"{server}/c1/conversations", headers=_auth(ALICE)).json()["data"]
+    assert [c["title"] for c in listed if c["id"] == cid] == ["Greetings and more"]
+    # someone else's conversation is unknown to them; bad titles are 400 and change nothing
+    other = httpx.patch(url, json={"title": "mine"}, headers=_auth(BOB))
+    assert other.status_code == 404 and other.json()["error"]["code"] == "conversation_not_found"
+    for body in ({"title": 5}, {"title": " "}, {"title": "x" * 201}, {}, {"title": "a", "x": 1}):
+        r = httpx.patch(url, json=body, headers=_auth(ALICE))
+        assert r.status_code == 400, body
+        assert r.json()["error"]["param"] in ("title", "x")
+    assert httpx.get(url, headers=_auth(ALICE)).json()["title"] == "Greetings and more"
+    cleared = httpx.patch(url, json={"title": None}, headers=_auth(ALICE))
+    assert cleared.json()["title"] is None
+
+
+def test_branch_from_an_earlier_message(server: str) -> None:
+    first = turn(server, ALICE, "My name is Ada.")
+    cid = first.headers["x-conversation-id"]
+    turn(server, ALICE, "I live in Paris.", conversation_id=cid)
+    url = f"{server}/c1/conversations/{cid}"
+    before = httpx.get(url, headers=_auth(ALICE)).json()
+    ada, answer = before["messages"][0], before["messages"][1]
+    assert before["head_id"] == before["messages"][-1]["id"]
+
+    # Continue from the first answer instead of the head: the history is only that path.
+    branch = turn(server, ALICE, "I live in Rome.", conversation_id=cid, parent_id=answer["id"])
+    assert branch.status_code == 200
+    after = httpx.get(url, headers=_auth(ALICE)).json()
+    new_user, new_answer = after["messages"][-2:]
+    assert new_user["parent_id"] == answer["id"] and new_user["content"] == "I live in Rome."
+    assert new_answer["parent_id"] == new_user["id"] and after["head_id"] == new_answer["id"]
+    assert after["message_count"] == 6
+    # The prompt held the first turn and the branch's message, not the Paris turn.
+    paris = before["messages"][-1]["usage"]["prompt_tokens"]  # Ada's turn + Paris
+    assert abs(branch.json()["usage"]["prompt_tokens"] - paris) <= 2
+
+    # null: a new first message (editing the very first turn)
+    edited = turn(server, ALICE, "My name is Bea.", conversation_id=cid, parent_id=None)
+    root = httpx.get(url, headers=_auth(ALICE)).json()["messages"][-2]
+    assert edited.status_code == 200 and root["parent_id"] is None
+    assert edited.json()["usage"]["prompt_tokens"] <= first.json()["usage"]["prompt_tokens"] + 1
+    assert ada["parent_id"] is None
+
+    # A parent elsewhere is 400 and stores nothing; parent_id alone needs the conversation.
+    elsewhere = turn(server, ALICE, "Hi").json()
+    other = httpx.get(f"{server}/c1/conversations", headers=_auth(ALICE)).json()["data"][0]
+    foreign = httpx.get(f"{server}/c1/conversations/{other['id']}", headers=_auth(ALICE)).json()
+    assert elsewhere and foreign["id"] != cid
+    for extra in (
+        {"conversation_id": cid, "parent_id": foreign["messages"][0]["id"]},
+        {"conversation_id": cid, "parent_id": "msg_nope"},
+        {"conversation_id": cid, "parent_id": 7},
+        {"parent_id": answer["id"]},
+    ):
+        r = turn(server, ALICE, "x", **extra)
+        assert r.status_code == 400, extra
+        assert r.json()["error"]["param"] == "parent_id"
+    assert httpx.get(url, headers=_auth(ALICE)).json()["message_count"] == 8

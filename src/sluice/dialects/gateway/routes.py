@@ -2,7 +2,9 @@
 
 ``POST /c1/chat`` continues (``conversation_id``) or starts a conversation,
 answers in the OpenAI chat shape, streamed or not, and names the
-conversation in the ``x-conversation-id`` header. A conversation belongs to
+conversation in the ``x-conversation-id`` header. With ``parent_id`` it
+continues from an earlier message instead of the head (``null``: from the
+start): a branch, which becomes the main line. A conversation belongs to
 the API key (and ``user_id``) that made it: anyone else gets 404
 ``conversation_not_found``, never a 403 that would confirm it exists.
 
@@ -46,14 +48,15 @@ from sluice.server.sse import (
     wants_sse,
 )
 from sluice.server.state import ServerState, server_state
-from sluice.store import Conversation, Message, NewMessage
+from sluice.store import ROOT, Conversation, Message, NewMessage
 from sluice.store.recorder import Recorder, history_messages
 from sluice.upstream.backend import slot_header
 
 log = logging.getLogger("sluice.api")
 
-_OWN_FIELDS = ("message", "conversation_id", "user_id")
 MAX_PAGE = 100
+MAX_TITLE_CHARS = 200
+_UNSET = object()
 
 
 @dataclass(slots=True)
@@ -64,6 +67,7 @@ class _Turn:
     message: Any
     conversation_id: str | None
     user_id: str | None
+    parent_id: Any  # _UNSET (the head), None (a new root) or a message id
     rest: dict[str, Any]
 
 
@@ -97,6 +101,18 @@ def _read_turn(raw: bytes, limits: BodyLimits) -> _Turn:
         if value is not None and (not isinstance(value, str) or not value.strip()):
             raise InvalidRequest(f"'{field}' must be a non-empty string", param=field)
         ids[field] = value
+    parent_id = data.pop("parent_id", _UNSET)
+    if parent_id is not _UNSET:
+        if ids["conversation_id"] is None:
+            raise InvalidRequest(
+                "'parent_id' needs 'conversation_id': it names a message of that conversation",
+                param="parent_id",
+            )
+        if parent_id is not None and (not isinstance(parent_id, str) or not parent_id.strip()):
+            raise InvalidRequest(
+                "'parent_id' must be a message id, or null to branch from the start",
+                param="parent_id",
+            )
     if data.get("n", 1) != 1:
         raise InvalidRequest("'n' must be 1 on /c1/chat: a conversation has one answer", param="n")
     return _Turn(
@@ -104,6 +120,7 @@ def _read_turn(raw: bytes, limits: BodyLimits) -> _Turn:
         message=message,
         conversation_id=ids["conversation_id"],
         user_id=ids["user_id"],
+        parent_id=parent_id,
         rest=data,
     )
 
@@ -137,8 +154,15 @@ async def chat(request: Request) -> Response:
             )
             if conversation is None:
                 raise ConversationNotFound(turn.conversation_id)
-            if conversation.head_id is not None:
-                history = history_messages(await state.store.path(conversation.head_id))
+            tip = conversation.head_id if turn.parent_id is _UNSET else turn.parent_id
+            if tip is not None:
+                path = await state.store.path(tip)
+                if not path or path[-1].conversation_id != conversation.id:
+                    raise InvalidRequest(
+                        f"No message '{tip}' in conversation '{conversation.id}'",
+                        param="parent_id",
+                    )
+                history = history_messages(path)
         body, neutral = await state.offload.run(lambda: _chat_request(turn, history, state.limits))
         lease, stream = await state.dispatcher.open(neutral, ttl=body.ttl)
     except SluiceError as exc:
@@ -149,8 +173,11 @@ async def chat(request: Request) -> Response:
             conversation = await state.store.create_conversation(
                 owner=owner, user_id=turn.user_id, model=neutral.model
             )
+        parent = (
+            None if turn.parent_id is _UNSET else ROOT if turn.parent_id is None else turn.parent_id
+        )
         user = await state.store.add_message(
-            conversation.id, NewMessage(role="user", content=turn.message)
+            conversation.id, NewMessage(role="user", content=turn.message, parent_id=parent)
         )
     except BaseException:
         await stream.aclose()
@@ -219,6 +246,8 @@ def _conversation(c: Conversation) -> dict[str, Any]:
         "updated_at": int(c.updated_at),
         "model": c.model,
         "user_id": c.user_id,
+        "title": c.title,
+        "head_id": c.head_id,
         "message_count": c.message_count,
     }
 
@@ -305,3 +334,44 @@ async def delete_conversation(request: Request) -> Response:
         conversation.id, owner=conversation.owner, user_id=conversation.user_id
     )
     return json_response({"id": conversation.id, "object": "conversation.deleted", "deleted": True})
+
+
+def _read_title(raw: bytes, limits: BodyLimits) -> str | None:
+    with paused_gc():
+        data = parse_json_body(raw, limits)
+    unknown = sorted(set(data) - {"title"})
+    if unknown:
+        raise InvalidRequest(
+            f"Unknown field '{unknown[0]}': only 'title' can be changed", param=unknown[0]
+        )
+    if "title" not in data:
+        raise InvalidRequest("'title' is required (a string, or null to clear it)", param="title")
+    title = data["title"]
+    if title is None:
+        return None
+    if not isinstance(title, str):
+        raise InvalidRequest("'title' must be a string or null", param="title")
+    title = " ".join(title.split())  # one line: it is a list entry
+    if not title:
+        raise InvalidRequest("'title' must not be blank (null clears it)", param="title")
+    if len(title) > MAX_TITLE_CHARS:
+        raise InvalidRequest(
+            f"'title' is {len(title)} characters; at most {MAX_TITLE_CHARS}", param="title"
+        )
+    return title
+
+
+async def update_conversation(request: Request) -> Response:
+    """``PATCH /c1/conversations/{id}`` with ``{"title": ...}``: rename it (null clears)."""
+    state = server_state(request)
+    conversation = await _owned(request)
+    raw = await read_request_body(request, state.settings.max_body_bytes, lambda: state.draining)
+    if raw is None:
+        return Response(status_code=499)
+    title = _read_title(raw, state.limits)
+    renamed = await state.store.rename_conversation(
+        conversation.id, owner=conversation.owner, user_id=conversation.user_id, title=title
+    )
+    if renamed is None:  # deleted meanwhile
+        raise ConversationNotFound(conversation.id)
+    return json_response(_conversation(renamed))
