@@ -1,4 +1,4 @@
-"""Command line: ``sluice serve``, ``sluice models``, ``sluice chat`` (wiring only).
+"""Command line: ``sluice serve``, ``sluice models``, ``sluice chat``, ``sluice ps`` (wiring only).
 
 Its flags are made from :class:`~sluice.config.Settings`, one per setting.
 """
@@ -13,6 +13,7 @@ from typing import Any
 
 from sluice.clients import chat as chat_client
 from sluice.clients import models as models_client
+from sluice.clients import ps as ps_client
 from sluice.config import GROUPS, Settings, env_var, flag_name, kind, shown_default
 
 
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_parser(sub)
     models_client.add_parser(sub)
     chat_client.add_parser(sub)
+    ps_client.add_parser(sub)
     return parser
 
 
@@ -74,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         return models_client.run(args)
     if args.command == "chat":
         return chat_client.run(args)
+    if args.command == "ps":
+        return ps_client.run(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

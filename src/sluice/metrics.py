@@ -38,6 +38,7 @@ Decisions worth knowing:
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections import deque
@@ -49,10 +50,12 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.registry import Collector
 
 from sluice.core.backend import ResponseStream, StreamMeta
+from sluice.core.errors import SluiceError
 from sluice.core.events import (
     ErrorEvent,
     Event,
     Finish,
+    Progress,
     ReasoningDelta,
     Start,
     TextDelta,
@@ -88,6 +91,7 @@ class Metrics:
             raise ValueError("window must be positive")
         self.window = window
         self._clock = clock
+        self.clock = clock  # what the meters' times are read on
         self._slots: dict[str, SlotMetrics] = {}
         self.registry = CollectorRegistry()
         self._ttft = Histogram(
@@ -294,6 +298,7 @@ class RequestMeter:
         self._admitted = clock()
         self._started = False
         self._finished = False
+        self._first_at = 0.0
         self._counted = 0  # output tokens counted live, before the usage correction
         slot.in_flight += 1
         slot.queued += 1
@@ -302,12 +307,34 @@ class RequestMeter:
     def finished(self) -> bool:
         return self._finished
 
+    @property
+    def started(self) -> bool:
+        """The first token has come."""
+        return self._started
+
+    @property
+    def admitted(self) -> float:
+        """When the request reached the slot (the metrics' clock)."""
+        return self._admitted
+
+    @property
+    def counted(self) -> int:
+        """Output tokens so far, as counted live."""
+        return self._counted
+
+    def tokens_per_second(self, now: float) -> float | None:
+        """Output tokens per second since the first token; None before a second token."""
+        span = now - self._first_at
+        if not self._started or self._counted < 2 or span <= 0:
+            return None
+        return (self._counted - 1) / span
+
     def first_token(self) -> None:
         """The first content/reasoning/tool token: TTFT observed, no longer queued."""
         if self._started or self._finished:
             return
         self._started = True
-        now = self._clock()
+        now = self._first_at = self._clock()
         self._slot._observe_ttft(now, now - self._admitted)
 
     def tokens(self, n: int) -> None:
@@ -349,28 +376,74 @@ class RequestMeter:
 # -- the event-stream path ---------------------------------------------------------
 
 
-class _MeteredStream:
-    """A ResponseStream that feeds a RequestMeter as its events pass."""
+class MeteredStream:
+    """A ResponseStream that feeds a RequestMeter as its events pass, and can be
+    cancelled from outside (``POST /v1/requests/{id}/cancel``).
+
+    ``state`` follows the request: ``queued`` until the engine admits it (a
+    ``prompt_processing`` progress event), ``prefilling`` until its first
+    token, then ``generating``. :meth:`cancel` ends the consumer's iteration
+    with an ``ErrorEvent`` at once, even while it waits for the next event, and
+    aborts the backend.
+    """
 
     def __init__(self, stream: ResponseStream, meter: RequestMeter) -> None:
         self.meta: StreamMeta = stream.meta
+        self.meter = meter
+        self.prefilling = False
+        self.on_end: Callable[[], None] | None = None  # called once, when the meter finishes
+        self.flight: Any = None  # its entry among the requests in flight (models/flights.py)
         self._stream = stream
-        self._meter = meter
         self._error = False
         # Start gives each choice's prompt size; usage (when it comes) is exact.
         self._prompt: dict[int, int] = {}
         self._completion: dict[int, int] = {}
         self._iterator: AsyncGenerator[Event, None] | None = None
+        # Cancelling: the error to end with, and the consumer's task while it waits.
+        self._cancelled: SluiceError | None = None
+        self._waiting: asyncio.Task[Any] | None = None
+
+    @property
+    def state(self) -> Literal["queued", "prefilling", "generating"]:
+        if self.meter.started:
+            return "generating"
+        return "prefilling" if self.prefilling else "queued"
+
+    @property
+    def prompt_tokens(self) -> int:
+        owners = self.meta.prompt_owners
+        return sum(n for choice, n in self._prompt.items() if choice in owners)
 
     def __aiter__(self) -> AsyncIterator[Event]:
         iterator = self._iterator = self._events()
         return iterator
 
     async def _events(self) -> AsyncGenerator[Event, None]:
+        inner = aiter(self._stream)
+        task = asyncio.current_task()
         try:
-            async for event in self._stream:
+            while self._cancelled is None:
+                self._waiting = task
+                try:
+                    event = await anext(inner)
+                except StopAsyncIteration:
+                    return
+                except asyncio.CancelledError:
+                    # cancel() interrupts the wait this way; any other cancellation
+                    # (the client went away) goes on up.
+                    if self._cancelled is None or task is None or task.uncancel() > 0:
+                        raise
+                    break
+                finally:
+                    self._waiting = None
                 self._observe(event)
                 yield event
+            error = self._cancelled
+            assert error is not None
+            self._error = True
+            self._finish()
+            await self._stream.aclose()  # aborts the engine or the upstream request
+            yield ErrorEvent(error)
         except Exception:
             self._error = True
             raise
@@ -379,8 +452,17 @@ class _MeteredStream:
             # stopped iterating (a disconnect: not an error unless one was seen).
             self._finish()
 
+    def cancel(self, error: SluiceError) -> bool:
+        """End the stream with ``error`` (an ``ErrorEvent``); False if it already ended."""
+        if self.meter.finished or self._cancelled is not None:
+            return False
+        self._cancelled = error
+        if self._waiting is not None:
+            self._waiting.cancel()
+        return True
+
     def _observe(self, event: Event) -> None:
-        meter = self._meter
+        meter = self.meter
         match event:
             case TextDelta(echo=False, token_count=count):
                 meter.first_token()
@@ -394,6 +476,8 @@ class _MeteredStream:
                 meter.tokens(1)
             case Start(choice=choice, prompt_tokens=prompt):
                 self._prompt[choice] = prompt
+            case Progress(phase="prompt_processing"):
+                self.prefilling = True
             case Finish(usage=usage) if usage is not None:
                 self._prompt[usage.choice] = usage.prompt_tokens
                 self._completion[usage.choice] = usage.completion_tokens
@@ -402,16 +486,18 @@ class _MeteredStream:
                 self._finish()
 
     def _finish(self) -> None:
-        owners = self.meta.prompt_owners
-        prompt = sum(n for choice, n in self._prompt.items() if choice in owners)
+        if self.meter.finished:
+            return
         # Usage for only some choices (an abort) would undercount the others: then
         # the live count stands.
         exact = len(self._completion) >= self.meta.choices
-        self._meter.finish(
-            prompt_tokens=prompt,
+        self.meter.finish(
+            prompt_tokens=self.prompt_tokens,
             completion_tokens=sum(self._completion.values()) if exact else None,
             error=self._error,
         )
+        if self.on_end is not None:
+            self.on_end()
 
     async def aclose(self) -> None:
         self._finish()
@@ -423,7 +509,7 @@ class _MeteredStream:
         await self._stream.aclose()
 
 
-def metered(stream: ResponseStream, meter: RequestMeter) -> ResponseStream:
+def metered(stream: ResponseStream, meter: RequestMeter) -> MeteredStream:
     """``stream`` with ``meter`` fed from its events; same ``meta`` and ``aclose``.
 
     The meter finishes exactly once: at the stream's end, at an ``ErrorEvent``
@@ -434,7 +520,7 @@ def metered(stream: ResponseStream, meter: RequestMeter) -> ResponseStream:
 
         stream = metered(await backend.open(request), slot.request())
     """
-    return _MeteredStream(stream, meter)
+    return MeteredStream(stream, meter)
 
 
 # -- the passthrough path ----------------------------------------------------------

@@ -18,7 +18,7 @@ import argparse
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -83,33 +83,42 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def run(args: argparse.Namespace, console: Console | None = None) -> int:
     console = console or Console(stderr=False)
+
+    def work(client: httpx.Client) -> int:
+        match args.verb:
+            case "list":
+                return _list(client, console)
+            case "load":
+                return _load(client, console, args)
+            case "unload":
+                _call(client, "/api/v1/models/unload", {"instance_id": args.model})
+                console.print(f"unloaded {args.model}", highlight=False)
+                return 0
+            case _:
+                return _download(client, console, args)
+
+    try:
+        return talk(args, console, work)
+    except KeyboardInterrupt:  # the server goes on with a load or a download
+        console.print("stopped (the server goes on with what it was asked)")
+        return 130
+
+
+def talk(args: argparse.Namespace, console: Console, work: Callable[[httpx.Client], int]) -> int:
+    """``work`` with a client of the server ``args`` name; what fails is one line on
+    ``console`` and exit status 1, never a traceback."""
     try:
         with httpx.Client(
             base_url=args.url, headers=auth_headers(args.api_key), timeout=30
         ) as client:
-            match args.verb:
-                case "list":
-                    return _list(client, console)
-                case "load":
-                    return _load(client, console, args)
-                case "unload":
-                    _call(client, "/api/v1/models/unload", {"instance_id": args.model})
-                    console.print(f"unloaded {args.model}", highlight=False)
-                    return 0
-                case _:
-                    return _download(client, console, args)
+            return work(client)
     except CommandError as exc:
         console.print(f"[red]error:[/red] {exc}", highlight=False)
-        return 1
     except httpx.HTTPError as exc:
         console.print(f"[red]error:[/red] cannot reach {args.url}: {exc}", highlight=False)
-        return 1
-    except ValueError as exc:  # an answer that is not the JSON expected
+    except (ValueError, KeyError) as exc:  # an answer that is not the JSON expected
         console.print(f"[red]error:[/red] unexpected answer from {args.url}: {exc}")
-        return 1
-    except KeyboardInterrupt:  # the server goes on with a load or a download
-        console.print("stopped (the server goes on with what it was asked)")
-        return 130
+    return 1
 
 
 def _call(client: httpx.Client, path: str, body: dict[str, Any] | None = None) -> Any:

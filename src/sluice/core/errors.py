@@ -104,6 +104,13 @@ class ConversationNotFound(NotFound):
         super().__init__(f"No conversation '{conversation_id}' was found.", param="conversation_id")
 
 
+class RequestNotFound(NotFound):
+    """No request with this id is in flight for this caller."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"No request '{request_id}' is in flight.", param="request_id")
+
+
 class ServerBusy(SluiceError):
     """All slots and the queue are full: retry later."""
 
@@ -125,6 +132,10 @@ class EngineFailure(SluiceError):
 
 class ModelUnloaded(SluiceError):
     """The model was unloaded (on request) while this request was using it."""
+
+
+class RequestCancelled(SluiceError):
+    """Stopped from outside its connection (``POST /v1/requests/{id}/cancel``)."""
 
 
 class ModelLoadFailed(EngineFailure):
@@ -242,11 +253,14 @@ _TABLE: dict[type[SluiceError], ErrorSpec] = {
     NotFound: ErrorSpec(404, "invalid_request_error", "not_found"),
     JobNotFound: ErrorSpec(404, "invalid_request_error", "job_not_found"),
     ConversationNotFound: ErrorSpec(404, "invalid_request_error", "conversation_not_found"),
+    RequestNotFound: ErrorSpec(404, "invalid_request_error", "request_not_found"),
     ServerBusy: ErrorSpec(503, "server_error", "server_busy"),
     ShuttingDown: ErrorSpec(503, "server_error", "shutting_down"),
     EngineFailure: ErrorSpec(500, "server_error", "engine_error"),
     ModelUnloaded: ErrorSpec(503, "server_error", "model_unloaded"),
     ModelLoadFailed: ErrorSpec(500, "server_error", "model_load_failed"),
+    # 499 as nginx's "closed request": not retried by the SDKs (they retry 409 and 5xx).
+    RequestCancelled: ErrorSpec(499, "server_error", "request_cancelled"),
     InsufficientMemory: ErrorSpec(503, "server_error", "insufficient_memory"),
     ModelTooLarge: ErrorSpec(400, "invalid_request_error", "model_too_large"),
     DownloadFailed: ErrorSpec(502, "server_error", "download_failed"),
@@ -279,6 +293,7 @@ _LMSTUDIO_TYPES: dict[type[SluiceError], str] = {
     ServerBusy: "unknown",
     ShuttingDown: "unknown",
     ModelUnloaded: "unknown",
+    RequestCancelled: "unknown",
     DownloadFailed: "unknown",
     UpstreamFailed: "unknown",
     IntegrationNotAllowed: "invalid_request",

@@ -7,7 +7,8 @@ up front, where an upstream's are partly discovered from its ``/v1/models``
 nobody serves goes to the default local model unless names are strict.
 
 Every lease opens metered streams: the slot's live figures are taken on the
-streaming path, local and upstream alike.
+streaming path, local and upstream alike, and each stream is a request in
+flight (``flights.py``) until it ends.
 
 Example::
 
@@ -33,6 +34,7 @@ from sluice.core.backend import Backend, Embeddings, LoadOptions, Progress, Resp
 from sluice.core.errors import SluiceError, spec_for
 from sluice.core.request import GenerationRequest
 from sluice.metrics import Metrics, RequestMeter, metered
+from sluice.models.flights import Flights
 from sluice.models.registry import ModelRegistry
 from sluice.upstream.backend import UpstreamModel, UpstreamSlot
 
@@ -63,10 +65,12 @@ class SlotLease:
         kind: Literal["local", "upstream"],
         release: _Releasable | None = None,
         *,
+        flights: Flights | None = None,
         loaded_now: bool = False,
         load_seconds: float | None = None,
     ) -> None:
         self.backend = backend
+        self._flights = flights
         self.slot = slot
         self._metrics = metrics
         self._kind = kind
@@ -77,7 +81,10 @@ class SlotLease:
     async def open(self, request: GenerationRequest) -> ResponseStream:
         with self._meter() as meter:
             stream = await self.backend.open(request)
-        return metered(stream, meter)
+        live = metered(stream, meter)
+        if self._flights is not None:
+            self._flights.track(live, self.slot)
+        return live
 
     async def embed(
         self, inputs: list[str] | list[list[int]], *, truncate: bool, dimensions: int | None
@@ -124,6 +131,7 @@ class Dispatcher:
         self.registry = registry
         self.upstreams = list(upstreams)
         self.metrics = metrics
+        self.flights = Flights(metrics.clock)
         for slot in self.upstreams:
             metrics.slot(slot.name, "upstream")
 
@@ -225,7 +233,13 @@ class Dispatcher:
         (with ``options``, or reloads with them when idle: see ``ModelRegistry.acquire``)."""
         target = self.upstream(name)
         if target is not None:
-            return SlotLease(target.backend(), target.slot.name, self.metrics, "upstream")
+            return SlotLease(
+                target.backend(),
+                target.slot.name,
+                self.metrics,
+                "upstream",
+                flights=self.flights,
+            )
         lease = await self.registry.acquire(name, ttl=ttl, progress=progress, options=options)
         return SlotLease(
             lease.model,
@@ -233,6 +247,7 @@ class Dispatcher:
             self.metrics,
             "local",
             lease,
+            flights=self.flights,
             loaded_now=lease.loaded_now,
             load_seconds=lease.load_seconds,
         )

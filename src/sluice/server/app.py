@@ -14,9 +14,11 @@ from collections.abc import AsyncIterator, Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sluice.config import Settings, default_store_path
 from sluice.config.file import ConfigFile
@@ -26,7 +28,7 @@ from sluice.core.errors import (
     NotFound,
     SluiceError,
 )
-from sluice.dialects import ops
+from sluice.dialects import flights, ops
 from sluice.dialects.anthropic import format as anthropic_format
 from sluice.dialects.anthropic import routes as anthropic
 from sluice.dialects.gateway import routes as gateway
@@ -42,7 +44,8 @@ from sluice.dialects.responses import format as responses_format
 from sluice.dialects.responses import routes as responses
 from sluice.engine.runner import ModelRunner
 from sluice.local.model import LocalModel
-from sluice.server.auth import ApiKeys, BearerAuth, names_line
+from sluice.models.flights import CALLER, Caller
+from sluice.server.auth import STATE_KEY, ApiKeys, BearerAuth, names_line
 from sluice.server.sse import error_response
 from sluice.server.state import build_state
 from sluice.store import SQLiteStore
@@ -73,6 +76,40 @@ _ERROR_SHAPES: tuple[tuple[str, Callable[[SluiceError], Response]], ...] = (
     ("/v1/responses", responses_format.error_response),
     *((path, ollama_format.error_response) for path in OLLAMA_PATHS),
 )
+
+
+# The dialect of a path, as the requests in flight name it: the first prefix that matches.
+_DIALECTS: tuple[tuple[str, str], ...] = (
+    ("/v1/messages", "anthropic"),
+    ("/v1/responses", "responses"),
+    ("/c1/", "gateway"),
+    ("/api/v1/", "lmstudio"),
+    ("/api/", "ollama"),
+    ("/v1/", "openai"),
+)
+
+
+def dialect_of(path: str) -> str:
+    return next((name for prefix, name in _DIALECTS if path.startswith(prefix)), "sluice")
+
+
+class _NameCaller:
+    """Sets :data:`~sluice.models.flights.CALLER` for the request: its key's name (set by
+    ``BearerAuth``, outside) and its dialect; what it opens is in flight under them."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        key = str(scope.get("state", {}).get(STATE_KEY, ""))
+        token = CALLER.set(Caller(key, dialect_of(scope["path"])))
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            CALLER.reset(token)
 
 
 def render_error_for(path: str) -> Callable[[SluiceError], Response]:
@@ -205,6 +242,8 @@ def create_app(
                 methods=["PATCH"],
             ),
             Route("/v1/info", ops.catalog, methods=["GET"]),
+            Route("/v1/requests", flights.list_requests, methods=["GET"]),
+            Route("/v1/requests/{request_id}/cancel", flights.cancel_request, methods=["POST"]),
             Route("/metrics", ops.metrics, methods=["GET"]),
             Route("/health", ops.health, methods=["GET"]),
             Route("/api/v1/chat", lmstudio_chat.chat, methods=["POST"]),
@@ -227,6 +266,7 @@ def create_app(
             *lmstudio.ROUTES,
         ],
         lifespan=lifespan,
+        middleware=[Middleware(_NameCaller)],
         exception_handlers={
             HTTPException: on_http_error,
             SluiceError: on_sluice_error,

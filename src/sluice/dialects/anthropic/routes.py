@@ -45,6 +45,7 @@ from sluice.dialects.anthropic.format import (
 from sluice.dialects.anthropic.schema import CountTokensRequest, MessagesRequest, parse
 from sluice.metrics import AnthropicEventTap
 from sluice.models.dispatch import UpstreamTarget
+from sluice.models.flights import identify
 from sluice.server.jsonbody import check_body_limits
 from sluice.server.respond import CLIENT_GONE, errors_as, forward, respond
 from sluice.server.sse import json_response, run_until_disconnect, sse_stream
@@ -107,6 +108,7 @@ async def messages(request: Request) -> Response:
     state = server_state(request)
     lease, stream = await state.dispatcher.open(neutral)
     formatter = MessagesFormatter(model=body.model, max_tokens=body.max_tokens)
+    identify(stream, formatter.id)
     headers = {"x-sluice-slot": slot_header(stream.meta.slot, stream.meta.replica)}
 
     async def fold() -> dict[str, Any]:

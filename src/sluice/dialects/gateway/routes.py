@@ -30,6 +30,7 @@ from sluice.core.request import GenerationRequest
 from sluice.dialects.openai.format import ChatStreamFormatter, ResponseMeta, chat_completion_body
 from sluice.dialects.openai.schema import ChatCompletionRequest, ChatMessage
 from sluice.models.dispatch import SlotLease
+from sluice.models.flights import identify
 from sluice.server.auth import key_name
 from sluice.server.body import read_request_body
 from sluice.server.jsonbody import (
@@ -203,6 +204,7 @@ async def _answer(
         include_usage=body.include_usage,
         continuous_usage=body.continuous_usage,
     )
+    identify(stream, meta.id)
     headers = {
         "x-conversation-id": conversation.id,
         "x-sluice-slot": slot_header(stream.meta.slot, stream.meta.replica),

@@ -58,6 +58,7 @@ from sluice.dialects.lmstudio.schema import ChatRequest, parse, reasoning_switch
 from sluice.local.model import LocalModel
 from sluice.models.dispatch import SlotLease
 from sluice.models.files import read_model_file, reasoning_capability
+from sluice.models.flights import identify
 from sluice.server.auth import key_name
 from sluice.server.body import read_request_body
 from sluice.server.jsonbody import parse_json_body
@@ -254,23 +255,29 @@ class _Run:
             seconds = self.lease.load_seconds or (time.monotonic() - started)
             yield Progress(0, "model_load", _PERMILLE, _PERMILLE, elapsed=seconds)
 
+    async def _open(self, request: GenerationRequest) -> ResponseStream:
+        """A stream on the lease, in flight under this response's id (when stored)."""
+        assert self.lease is not None
+        stream = await self.lease.open(request)
+        identify(stream, self.response_id)
+        return stream
+
     async def events(self) -> AsyncIterator[Event]:
         try:
             async for event in self._acquire():
                 yield event
             assert self.lease is not None
-            first = await self.lease.open(self.p.request)
+            first = await self._open(self.p.request)
         except SluiceError as exc:
             yield ErrorEvent(exc)
             return
         self.slot = slot_header(first.meta.slot, first.meta.replica)
         if self.p.tools is not None:
-            lease = self.lease
             self.stream = ToolLoop(
                 first,
                 self.p.request,
                 self.p.tools,
-                reopen=lease.open,
+                reopen=self._open,
                 max_rounds=self.state.settings.tool_rounds,
             )
         else:

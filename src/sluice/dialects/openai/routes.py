@@ -25,6 +25,7 @@ from sluice.dialects.openai.format import (
 from sluice.dialects.openai.schema import ChatCompletionRequest, CompletionRequest
 from sluice.local.model import LocalModel
 from sluice.models.dispatch import UpstreamTarget
+from sluice.models.flights import identify
 from sluice.models.registry import ModelStatus
 from sluice.server.body import read_request_body
 from sluice.server.jsonbody import (
@@ -153,6 +154,7 @@ async def _complete(
         include_usage=body.include_usage,
         continuous_usage=body.continuous_usage,
     )
+    identify(stream, meta.id)
     headers = {"x-sluice-slot": slot_header(stream.meta.slot, stream.meta.replica)}
 
     async def fold() -> dict[str, Any]:

@@ -58,6 +58,7 @@ from sluice.dialects.responses.format import (
 from sluice.dialects.responses.schema import ResponsesRequest, parse
 from sluice.metrics import ResponsesEventTap
 from sluice.models.dispatch import SlotLease, UpstreamTarget
+from sluice.models.flights import identify
 from sluice.server.auth import key_name
 from sluice.server.respond import CLIENT_GONE, forward, respond
 from sluice.server.runs import Run
@@ -250,6 +251,7 @@ async def _generate(
                 return
         else:
             lease, stream = opened
+        identify(stream, run.id)
         async for event in stream:
             if isinstance(event, ErrorEvent):
                 run.publish(_encode(formatter.error(event.error)))

@@ -1,0 +1,145 @@
+"""Requests in flight: every response being generated now, and a way to stop one.
+
+Every stream a slot opens (``SlotLease.open``, local and upstream alike) is
+tracked from the moment it opens until its meter finishes. The dialect that
+answers names it with the response id its client already has
+(``chatcmpl-...``, ``msg_...``, ``resp_...``) through :func:`identify`; a
+stream no dialect names (Ollama's answers carry no id) keeps a ``req_`` id.
+Who asked comes from :data:`CALLER`, which the app sets per HTTP request (the
+API key's name and the dialect of the path); background work started by a
+request (a Responses run) inherits it.
+
+Example::
+
+    flights = Flights()
+    stream = flights.track(metered_stream, slot="smollm2")   # in SlotLease.open
+    identify(stream, "chatcmpl-abc")                           # in the dialect
+    flights.list(key="alice")                                  # what alice has running
+    flights.cancel("chatcmpl-abc")                             # ends it with an error
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+from sluice.core.errors import RequestCancelled
+from sluice.metrics import MeteredStream
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who a request came from: the API key's name ("" without keys) and its dialect."""
+
+    key: str = ""
+    dialect: str = "internal"
+
+
+CALLER: ContextVar[Caller] = ContextVar("sluice_caller", default=Caller())  # noqa: B039 - frozen
+
+
+class Flight:
+    """One response in flight: its stream and who asked for it."""
+
+    __slots__ = ("caller", "created_at", "id", "registry", "slot", "stream")
+
+    def __init__(
+        self,
+        registry: Flights,
+        stream: MeteredStream,
+        slot: str,
+        caller: Caller,
+        flight_id: str,
+    ) -> None:
+        self.registry = registry
+        self.stream = stream
+        self.slot = slot
+        self.caller = caller
+        self.id = flight_id
+        self.created_at = time.time()
+
+    def snapshot(self, now: float) -> dict[str, Any]:
+        """The JSON of ``GET /v1/requests``; ``now`` on the metrics' clock."""
+        stream = self.stream
+        meter = stream.meter
+        age = max(now - meter.admitted, 0.0)
+        generated = meter.counted
+        rate = meter.tokens_per_second(now)
+        return {
+            "id": self.id,
+            "object": "request",
+            "model": stream.meta.model,
+            "slot": self.slot,
+            "replica": stream.meta.replica,
+            "dialect": self.caller.dialect,
+            "key": self.caller.key,
+            "state": stream.state,
+            "prompt_tokens": stream.prompt_tokens,
+            "generated_tokens": generated,
+            "tokens_per_second": None if rate is None else round(rate, 2),
+            "age_seconds": round(age, 3),
+            "created_at": int(self.created_at),
+        }
+
+
+class Flights:
+    """The registry of requests in flight (event-loop only, like the streams)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._by_id: dict[str, Flight] = {}
+
+    def track(self, stream: MeteredStream, slot: str) -> MeteredStream:
+        """Register ``stream`` until its meter finishes; returns it."""
+        if stream.meter.finished:
+            return stream
+        flight = Flight(self, stream, slot, CALLER.get(), "req_" + secrets.token_hex(12))
+        self._by_id[flight.id] = flight
+        stream.flight = flight
+        stream.on_end = lambda: self._drop(flight)
+        return stream
+
+    def rename(self, flight: Flight, flight_id: str) -> None:
+        """Name ``flight`` by the id its client knows (the last stream named so wins)."""
+        if flight.id == flight_id or self._by_id.get(flight.id) is not flight:
+            return
+        del self._by_id[flight.id]
+        flight.id = flight_id
+        self._by_id[flight_id] = flight
+
+    def _drop(self, flight: Flight) -> None:
+        if self._by_id.get(flight.id) is flight:
+            del self._by_id[flight.id]
+
+    def now(self) -> float:
+        return self._clock()
+
+    def list(self, key: str | None) -> list[dict[str, Any]]:
+        """Every flight, oldest first, or only those of the key named ``key``."""
+        now = self._clock()
+        flights = [f for f in self._by_id.values() if key is None or f.caller.key == key]
+        flights.sort(key=lambda f: f.stream.meter.admitted)
+        return [f.snapshot(now) for f in flights]
+
+    def get(self, flight_id: str) -> Flight | None:
+        return self._by_id.get(flight_id)
+
+    def cancel(self, flight: Flight, by: str) -> bool:
+        """End ``flight``'s stream with a ``request_cancelled`` error; False if it had ended."""
+        who = f" by the key '{by}'" if by else ""
+        error = RequestCancelled(f"This request was cancelled{who} (POST /v1/requests/.../cancel).")
+        return flight.stream.cancel(error)
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+
+def identify(stream: object, response_id: str | None) -> None:
+    """Name the flight of ``stream`` (from ``SlotLease.open``) by ``response_id``."""
+    flight = getattr(stream, "flight", None)
+    if response_id and isinstance(flight, Flight):
+        flight.registry.rename(flight, response_id)
