@@ -38,7 +38,6 @@ Decisions worth knowing:
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 from collections import deque
@@ -62,6 +61,7 @@ from sluice.core.events import (
     ToolCallDelta,
     ToolCallStart,
 )
+from sluice.core.interrupt import Interrupt
 
 SlotKind = Literal["local", "upstream"]
 
@@ -399,15 +399,21 @@ class MeteredStream:
         self._prompt: dict[int, int] = {}
         self._completion: dict[int, int] = {}
         self._iterator: AsyncGenerator[Event, None] | None = None
-        # Cancelling: the error to end with, and the consumer's task while it waits.
-        self._cancelled: SluiceError | None = None
-        self._waiting: asyncio.Task[Any] | None = None
+        self._interrupt = Interrupt()  # cancel() ends the consumer's wait for an event
 
     @property
     def state(self) -> Literal["queued", "prefilling", "generating"]:
         if self.meter.started:
             return "generating"
         return "prefilling" if self.prefilling else "queued"
+
+    @property
+    def model(self) -> str:
+        return self.meta.model
+
+    @property
+    def replica(self) -> str | None:
+        return self.meta.replica
 
     @property
     def prompt_tokens(self) -> int:
@@ -420,30 +426,22 @@ class MeteredStream:
 
     async def _events(self) -> AsyncGenerator[Event, None]:
         inner = aiter(self._stream)
-        task = asyncio.current_task()
         try:
-            while self._cancelled is None:
-                self._waiting = task
+            while True:
                 try:
-                    event = await anext(inner)
+                    event = await self._interrupt.wait(lambda: anext(inner))
                 except StopAsyncIteration:
                     return
-                except asyncio.CancelledError:
-                    # cancel() interrupts the wait this way; any other cancellation
-                    # (the client went away) goes on up.
-                    if self._cancelled is None or task is None or task.uncancel() > 0:
+                except SluiceError as error:
+                    if error is not self._interrupt.error:
                         raise
-                    break
-                finally:
-                    self._waiting = None
+                    self._error = True
+                    self._finish()
+                    await self._stream.aclose()  # aborts the engine or the upstream request
+                    yield ErrorEvent(error)
+                    return
                 self._observe(event)
                 yield event
-            error = self._cancelled
-            assert error is not None
-            self._error = True
-            self._finish()
-            await self._stream.aclose()  # aborts the engine or the upstream request
-            yield ErrorEvent(error)
         except Exception:
             self._error = True
             raise
@@ -454,12 +452,7 @@ class MeteredStream:
 
     def cancel(self, error: SluiceError) -> bool:
         """End the stream with ``error`` (an ``ErrorEvent``); False if it already ended."""
-        if self.meter.finished or self._cancelled is not None:
-            return False
-        self._cancelled = error
-        if self._waiting is not None:
-            self._waiting.cancel()
-        return True
+        return not self.meter.finished and self._interrupt.fire(error)
 
     def _observe(self, event: Event) -> None:
         meter = self.meter
@@ -547,9 +540,27 @@ class OpenAIChunkTap:
         self._error = False
         self._prompt: int | None = None
         self._completion: int | None = None
+        self._named = False
+        self.on_id: Callable[[str], None] | None = None  # hears the response's id once
+
+    @property
+    def meter(self) -> RequestMeter:
+        return self._meter
+
+    @property
+    def prompt_tokens(self) -> int | None:
+        """The prompt's tokens, once the upstream's usage has said."""
+        return self._prompt
+
+    def _name(self, response_id: object) -> None:
+        self._named = True
+        if isinstance(response_id, str) and response_id and self.on_id is not None:
+            self.on_id(response_id)
 
     def chunk(self, data: Mapping[str, Any]) -> None:
         """One streamed chunk (chat ``delta`` or completions ``text``)."""
+        if not self._named:
+            self._name(data.get("id"))
         if data.get("error"):
             self._error = True
         choices = data.get("choices")
@@ -609,6 +620,7 @@ class AnthropicEventTap(OpenAIChunkTap):
         elif kind == "message_start":
             message = data.get("message")
             if isinstance(message, Mapping):
+                self._name(message.get("id"))
                 self._anthropic_usage(message.get("usage"))
         elif kind == "message_delta":
             self._anthropic_usage(data.get("usage"))
@@ -653,6 +665,9 @@ class ResponsesEventTap(OpenAIChunkTap):
         kind = data.get("type")
         if kind in ("response.output_text.delta", "response.function_call_arguments.delta"):
             self._meter.tokens(1)
+        elif kind == "response.created" and not self._named:
+            response = data.get("response")
+            self._name(response.get("id") if isinstance(response, Mapping) else None)
         elif kind in ("response.failed", "error"):
             self._error = True
         if kind in self._TERMINAL:

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.support.real_server import QUIET
-from tests.support.servers import serve_process
+from tests.support.servers import gateway_in_front, serve_process
 
 pytestmark = pytest.mark.integration
 
@@ -26,7 +26,7 @@ LONG = "Count from 1 to 1000, separated by commas."
 
 
 def auth(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 @pytest.fixture(scope="module")
@@ -224,3 +224,97 @@ async def test_sluice_ps_lists_and_cancels(client: httpx.AsyncClient, server: st
     assert done.returncode == 0 and f"cancelled {chunk_id}" in done.stdout
     await asyncio.wait_for(a.task, 10)
     assert a.data()[-1]["error"]["code"] == "request_cancelled"
+
+
+# -- answers passed through unchanged from an upstream (a real second sluice) ----------
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[str]:
+    with serve_process("--parallel", "1", "--ctx", "4096", *QUIET) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def gateway(upstream: str) -> Iterator[str]:
+    with gateway_in_front(upstream, native_apis=("anthropic",)) as base:
+        yield base
+
+
+async def test_passed_through_answers_are_in_flight_under_the_upstreams_ids(
+    upstream: str, gateway: str
+) -> None:
+    async with (
+        httpx.AsyncClient(base_url=gateway, timeout=60) as front,
+        httpx.AsyncClient(base_url=upstream, timeout=60) as back,
+    ):
+        a = Streamed(front, "/v1/chat/completions", chat_body(model="up-smollm2", stream=True), "")
+        await until(lambda: asyncio.sleep(0, len(a.data()) > 3))
+        chunk_id = a.data()[0]["id"]
+        (entry,) = await listed(front, "")
+        assert (entry["id"], entry["slot"], entry["replica"]) == (chunk_id, "up", upstream)
+        assert entry["state"] == "generating" and entry["generated_tokens"] >= 2
+        # the upstream lists it under the same id: one name end to end
+        assert [e["id"] for e in await listed(back, "")] == [chunk_id]
+
+        # --parallel 1 upstream: these wait there. The gateway lists them at once, queued,
+        # under ids of its own until the upstream's first event names them.
+        message = Streamed(
+            front,
+            "/v1/messages",
+            {
+                "model": "native-smollm2",
+                "max_tokens": 1000,
+                "messages": [{"role": "user", "content": LONG}],
+                "ignore_eos": True,
+                "stream": True,
+            },
+            "",
+        )
+        plain = asyncio.create_task(
+            front.post("/v1/chat/completions", json=chat_body(model="up-smollm2"))
+        )
+
+        async def three() -> list[dict[str, Any]] | None:
+            entries = await listed(front, "")
+            return entries if len(entries) == 3 else None
+
+        entries = await until(three)
+        waiting = {e["dialect"]: e for e in entries if e["id"] != chunk_id}
+        assert set(waiting) == {"openai", "anthropic"}
+        assert all(e["state"] == "queued" and e["id"].startswith("req_") for e in waiting.values())
+        assert waiting["anthropic"]["slot"] == "native"
+
+        # Cancelled before the upstream answered at all: a 499 in the dialect's shape.
+        r = await front.post(f"/v1/requests/{waiting['openai']['id']}/cancel")
+        assert r.status_code == 200 and r.json()["state"] == "cancelled"
+        answered = await asyncio.wait_for(plain, 10)
+        assert answered.status_code == 499
+        assert answered.json()["error"]["code"] == "request_cancelled"
+
+        # Cancelled mid-stream: the client's stream ends with the error frame.
+        r = await front.post(f"/v1/requests/{chunk_id}/cancel")
+        assert r.status_code == 200
+        await asyncio.wait_for(a.task, 10)
+        assert a.data()[-1]["error"]["code"] == "request_cancelled"
+
+        # The upstream now answers the Messages request: its first event names it.
+        async def named() -> dict[str, Any] | None:
+            entries = await listed(front, "")
+            return entries[0] if entries and entries[0]["id"].startswith("msg_") else None
+
+        entry = await until(named)
+        assert entry["dialect"] == "anthropic"
+        assert message.data()[0]["message"]["id"] == entry["id"]
+        r = await front.post(f"/v1/requests/{entry['id']}/cancel")
+        assert r.status_code == 200
+        await asyncio.wait_for(message.task, 10)
+        assert message.data()[-1]["type"] == "error"
+        assert message.data()[-1]["error"]["message"].startswith("This request was cancelled")
+        assert await listed(front, "") == []
+        # the gateway closed its upstream requests: the upstream stops generating too
+        assert await until(lambda: _empty(back))
+
+
+async def _empty(client: httpx.AsyncClient) -> bool:
+    return await listed(client, "") == []

@@ -61,7 +61,8 @@ async def test_a_flight_goes_queued_prefilling_generating_then_away() -> None:
     inner = Gated()
     token = CALLER.set(Caller("alice", "openai"))
     try:
-        stream = flights.track(metered(inner, metrics.slot("s", "local").request()), "s")
+        stream = metered(inner, metrics.slot("s", "local").request())
+        flights.track(stream, "s")
     finally:
         CALLER.reset(token)
     identify(stream, "chatcmpl-1")
@@ -102,7 +103,8 @@ async def test_cancel_while_the_consumer_waits_ends_it_with_an_error_at_once() -
     flights, metrics, _ = make()
     inner = Gated()
     slot = metrics.slot("s", "local")
-    stream = flights.track(metered(inner, slot.request()), "s")
+    stream = metered(inner, slot.request())
+    flights.track(stream, "s")
     identify(stream, "msg_1")
     seen: list[Event] = []
 
@@ -128,7 +130,8 @@ async def test_cancel_while_the_consumer_waits_ends_it_with_an_error_at_once() -
 async def test_cancel_while_the_consumer_is_busy_ends_it_at_its_next_read() -> None:
     flights, metrics, _ = make()
     inner = Gated()
-    stream = flights.track(metered(inner, metrics.slot("s", "local").request()), "s")
+    stream = metered(inner, metrics.slot("s", "local").request())
+    flights.track(stream, "s")
     iterator = aiter(stream)
     inner.queue.put_nowait(Start(0, 3))
     assert isinstance(await anext(iterator), Start)
@@ -146,7 +149,8 @@ async def test_cancel_while_the_consumer_is_busy_ends_it_at_its_next_read() -> N
 async def test_a_cancellation_from_elsewhere_still_propagates() -> None:
     flights, metrics, _ = make()
     inner = Gated()
-    stream = flights.track(metered(inner, metrics.slot("s", "local").request()), "s")
+    stream = metered(inner, metrics.slot("s", "local").request())
+    flights.track(stream, "s")
 
     async def consume() -> None:
         async for _ in stream:
@@ -163,10 +167,12 @@ async def test_a_cancellation_from_elsewhere_still_propagates() -> None:
 async def test_the_last_stream_named_keeps_the_name() -> None:
     flights, metrics, _ = make()
     slot = metrics.slot("s", "local")
-    first = flights.track(metered(Gated(), slot.request()), "s")
+    first = metered(Gated(), slot.request())
+    flights.track(first, "s")
     identify(first, "resp_1")
     await first.aclose()  # a tool round ended
-    second = flights.track(metered(Gated(), slot.request()), "s")
+    second = metered(Gated(), slot.request())
+    flights.track(second, "s")
     identify(second, "resp_1")
     flight = flights.get("resp_1")
     assert flight is not None and flight.stream is second

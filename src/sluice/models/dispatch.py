@@ -26,17 +26,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from sluice.core.backend import Backend, Embeddings, LoadOptions, Progress, ResponseStream
 from sluice.core.errors import SluiceError, spec_for
 from sluice.core.request import GenerationRequest
-from sluice.metrics import Metrics, RequestMeter, metered
+from sluice.metrics import Metrics, OpenAIChunkTap, RequestMeter, metered
 from sluice.models.flights import Flights
 from sluice.models.registry import ModelRegistry
-from sluice.upstream.backend import UpstreamModel, UpstreamSlot
+from sluice.upstream.backend import Passthrough, UpstreamModel, UpstreamSlot
 
 log = logging.getLogger("sluice.router")
 
@@ -193,6 +193,22 @@ class Dispatcher:
             if model is not None:
                 return UpstreamTarget(slot, model)
         return None
+
+    async def passthrough(
+        self,
+        target: UpstreamTarget,
+        path: str,
+        body: bytes,
+        headers: Mapping[str, str] | None = None,
+        *,
+        tap: type[OpenAIChunkTap] = OpenAIChunkTap,
+    ) -> Passthrough:
+        """``target``'s answer to a body in its own dialect, forwarded unchanged (see
+        ``UpstreamModel.passthrough``), in flight until it ends."""
+        slot = target.slot.name
+        return await target.backend().passthrough(
+            path, body, headers, tap=tap, on_start=lambda a: self.flights.track(a, slot)
+        )
 
     def native(self, name: object, api: str) -> UpstreamTarget | None:
         """The upstream target for ``name`` when its slot speaks ``api`` itself

@@ -25,10 +25,35 @@ import time
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from sluice.core.errors import RequestCancelled
-from sluice.metrics import MeteredStream
+from sluice.core.errors import RequestCancelled, SluiceError
+from sluice.metrics import RequestMeter
+
+
+class Live(Protocol):
+    """What a request in flight is made of: a metered stream (``metrics.MeteredStream``)
+    or an upstream's answer passed through unchanged (``upstream.backend.Passthrough``)."""
+
+    on_end: Callable[[], None] | None
+    flight: Any
+
+    @property
+    def meter(self) -> RequestMeter: ...
+
+    @property
+    def model(self) -> str: ...
+
+    @property
+    def replica(self) -> str | None: ...
+
+    @property
+    def state(self) -> str: ...
+
+    @property
+    def prompt_tokens(self) -> int: ...
+
+    def cancel(self, error: SluiceError) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +75,7 @@ class Flight:
     def __init__(
         self,
         registry: Flights,
-        stream: MeteredStream,
+        stream: Live,
         slot: str,
         caller: Caller,
         flight_id: str,
@@ -72,9 +97,9 @@ class Flight:
         return {
             "id": self.id,
             "object": "request",
-            "model": stream.meta.model,
+            "model": stream.model,
             "slot": self.slot,
-            "replica": stream.meta.replica,
+            "replica": stream.replica,
             "dialect": self.caller.dialect,
             "key": self.caller.key,
             "state": stream.state,
@@ -93,15 +118,14 @@ class Flights:
         self._clock = clock
         self._by_id: dict[str, Flight] = {}
 
-    def track(self, stream: MeteredStream, slot: str) -> MeteredStream:
+    def track(self, stream: Live, slot: str) -> None:
         """Register ``stream`` until its meter finishes; returns it."""
         if stream.meter.finished:
-            return stream
+            return
         flight = Flight(self, stream, slot, CALLER.get(), "req_" + secrets.token_hex(12))
         self._by_id[flight.id] = flight
         stream.flight = flight
         stream.on_end = lambda: self._drop(flight)
-        return stream
 
     def rename(self, flight: Flight, flight_id: str) -> None:
         """Name ``flight`` by the id its client knows (the last stream named so wins)."""

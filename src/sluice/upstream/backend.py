@@ -23,9 +23,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -37,8 +37,9 @@ from sluice.core.errors import (
     as_sluice_error,
 )
 from sluice.core.events import ErrorEvent, Event, Finish
+from sluice.core.interrupt import Interrupt
 from sluice.core.request import GenerationRequest
-from sluice.metrics import OpenAIChunkTap, SlotMetrics
+from sluice.metrics import OpenAIChunkTap, RequestMeter, SlotMetrics
 from sluice.upstream.codec import (
     ChunkDecoder,
     error_from_response,
@@ -198,18 +199,25 @@ class UpstreamModel:
         headers: Mapping[str, str] | None = None,
         *,
         tap: type[OpenAIChunkTap] = OpenAIChunkTap,
+        on_start: Callable[[Passthrough], None] | None = None,
     ) -> Passthrough:
         """Send a body in the upstream's own dialect (``model`` already the upstream's
         name) and hand back the answer to forward unchanged. Errors before the first
         byte are raised. ``tap`` reads the dialect's events for the slot's metrics
-        (:class:`~sluice.metrics.AnthropicEventTap` for Anthropic's Messages)."""
-        meter = self.slot.metrics.request()
+        (:class:`~sluice.metrics.AnthropicEventTap` for Anthropic's Messages);
+        ``on_start`` hears of the answer before it is sent (to list it in flight while
+        the upstream has not answered yet, which may be the whole generation)."""
+        answer = Passthrough(tap(self.slot.metrics.request()), self.slot.name, self.name)
+        if on_start is not None:
+            on_start(answer)
         try:
-            response = await self.slot.pool.send(path, body, headers)
-        except SluiceError:
-            meter.finish(error=True)
+            answer._response = await answer._interrupt.wait(
+                lambda: self.slot.pool.send(path, body, headers)
+            )
+        except BaseException as exc:
+            answer._finish(error=isinstance(exc, SluiceError))
             raise
-        return Passthrough(response, tap(meter), self.slot.name)
+        return answer
 
 
 class UpstreamStream:
@@ -276,12 +284,52 @@ class Passthrough:
     failure after the first byte is raised from :meth:`stream` once every
     whole event before it has been yielded: the caller ends the stream with
     its dialect's error frame.
+
+    It is a request in flight too (``models/flights.py``): named by the id the
+    upstream gives it (read by the tap), ``queued`` until its first token, and
+    :meth:`cancel` ends it with an error at once.
     """
 
-    response: UpstreamResponse
     tap: OpenAIChunkTap
     slot: str
+    model: str
+    _response: UpstreamResponse | None = None  # once the upstream has answered
+    on_end: Callable[[], None] | None = None  # called once, when the answer ends
+    flight: Any = None  # its entry among the requests in flight
     _done: bool = field(default=False, init=False)
+    _interrupt: Interrupt = field(default_factory=Interrupt, init=False)
+
+    def __post_init__(self) -> None:
+        self.tap.on_id = self._named
+
+    @property
+    def meter(self) -> RequestMeter:
+        return self.tap.meter
+
+    @property
+    def response(self) -> UpstreamResponse:
+        assert self._response is not None, "not sent yet"
+        return self._response
+
+    @property
+    def replica(self) -> str | None:
+        return None if self._response is None else self._response.replica
+
+    @property
+    def state(self) -> Literal["queued", "generating"]:
+        return "generating" if self.tap.meter.started else "queued"
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.tap.prompt_tokens or 0
+
+    def cancel(self, error: SluiceError) -> bool:
+        """End the answer with ``error`` (raised from :meth:`stream` or :meth:`read`)."""
+        return not self._done and self._interrupt.fire(error)
+
+    def _named(self, response_id: str) -> None:
+        if self.flight is not None:
+            self.flight.registry.rename(self.flight, response_id)
 
     @property
     def status(self) -> int:
@@ -300,7 +348,7 @@ class Passthrough:
     async def read(self) -> bytes:
         """The whole (non-streaming) body, unchanged."""
         try:
-            body = await self.response.aread()
+            body = await self._interrupt.wait(self.response.aread)
         except SluiceError:
             self._finish(error=True)
             raise
@@ -315,8 +363,13 @@ class Passthrough:
         """Whole SSE events, byte for byte, as they arrive."""
         sse = SSEDecoder()
         finished = False  # [DONE] or a finish_reason seen: a clean end is then complete
+        chunks = aiter(self.response.aiter_raw())
         try:
-            async for chunk in self.response.aiter_raw():
+            while True:
+                try:
+                    chunk = await self._interrupt.wait(lambda: anext(chunks))
+                except StopAsyncIteration:
+                    break
                 out: list[bytes] = []
                 for message in sse.feed(chunk):
                     data = message.data
@@ -344,11 +397,14 @@ class Passthrough:
         if not self._done:
             self._done = True
             self.tap.finish(error=error)
+            if self.on_end is not None:
+                self.on_end()
 
     async def aclose(self) -> None:
         """Close the upstream request (at once, if the client went away first)."""
         self._finish(error=False)
-        await self.response.aclose()
+        if self._response is not None:
+            await self._response.aclose()
 
 
 def _json_object(data: str | bytes) -> dict[str, Any] | None:

@@ -183,8 +183,8 @@ async def _passthrough(
     state = server_state(request)
     accept = request.headers.get("accept")
     try:
-        answer = await target.backend().passthrough(
-            path, parsed.forward, {"accept": accept} if accept else None
+        answer = await state.dispatcher.passthrough(
+            target, path, parsed.forward, {"accept": accept} if accept else None
         )
     except SluiceError as exc:  # no replica answered: 502, or 503 when all are down
         return error_response(exc, sse=parsed.stream and wants_sse(request))

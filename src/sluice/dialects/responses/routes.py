@@ -466,8 +466,8 @@ async def _passthrough(request: Request, target: UpstreamTarget, data: dict[str,
     data["model"] = target.model
     raw = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
     accept = request.headers.get("accept")
-    answer = await target.backend().passthrough(
-        "/responses", raw, {"accept": accept} if accept else None, tap=ResponsesEventTap
+    answer = await state.dispatcher.passthrough(
+        target, "/responses", raw, {"accept": accept} if accept else None, tap=ResponsesEventTap
     )
     return await forward(
         request, state.settings, answer, failure_frame=error_frame, render_error=error_response
