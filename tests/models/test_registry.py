@@ -67,6 +67,9 @@ class FakeModel:
         self.cache -= freed
         return freed
 
+    def reclaimable_bytes(self) -> int:
+        return self.cache
+
     def bind_memory(self, room: MemoryRoom) -> None:
         self.room = room
 
@@ -755,3 +758,46 @@ async def test_the_room_a_model_sees_is_what_no_model_holds(
     assert free == 3 * GiB // 2
     assert await asyncio.to_thread(alpha.room.reclaim, GiB) == GiB // 2
     assert alpha.cache == 0
+
+
+async def test_a_reservation_drops_states_only_when_that_makes_it_fit(
+    make: Callable[..., ModelRegistry], loader: FakeLoader
+) -> None:
+    registry = make(budget_bytes=4 * GiB)
+    await use(registry, "alpha")
+    await use(registry, "beta")
+    alpha = loader.models[0]
+    alpha.cache = GiB  # 1 GiB free, 1 GiB of states
+    assert alpha.room is not None
+    held: list[int] = []
+    # More than free + states: refused, and nothing dropped for nothing.
+    assert alpha.room.reserve(3 * GiB, held.append) == 2 * GiB
+    assert held == [] and alpha.cache == GiB
+    # Fits once states go: they go, and the bytes are held before the lock is let go.
+    assert alpha.room.reserve(3 * GiB // 2, held.append) >= 3 * GiB // 2
+    assert held == [3 * GiB // 2] and alpha.cache == GiB // 2
+
+
+async def test_two_reservations_at_once_never_both_take_the_last_room(
+    make: Callable[..., ModelRegistry], loader: FakeLoader
+) -> None:
+    registry = make(budget_bytes=4 * GiB)
+    await use(registry, "alpha")
+    await use(registry, "beta")
+    alpha, beta = loader.models  # 2 GiB free
+    barrier = threading.Barrier(2)
+
+    def reserve(model: FakeModel) -> bool:
+        def hold(nbytes: int) -> None:
+            time.sleep(0.05)  # a slow bookkeeping step widens any race
+            model.extra += nbytes
+
+        assert model.room is not None
+        barrier.wait()
+        return model.room.reserve(3 * GiB // 2, hold) >= 3 * GiB // 2
+
+    results = await asyncio.gather(
+        asyncio.to_thread(reserve, alpha), asyncio.to_thread(reserve, beta)
+    )
+    assert sorted(results) == [False, True]
+    assert alpha.extra + beta.extra == 3 * GiB // 2

@@ -104,6 +104,14 @@ class MemoryRoom(Protocol):
         first; the bytes freed."""
         ...
 
+    def reserve(self, nbytes: int, hold: Callable[[int], None]) -> int:
+        """Take ``nbytes`` more, atomically among the models: if they fit what is free
+        plus the saved prompt states, drop as many states as needed and call
+        ``hold(nbytes)`` (its owner then counts them as held) before another
+        reservation may look. Returns the bytes that could be made free: at least
+        ``nbytes`` when reserved; when less, nothing was dropped or held."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class LoadOptions:

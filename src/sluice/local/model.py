@@ -277,7 +277,7 @@ class LocalModel:
         with self._embed_lock:
             if self._embedder is None:
                 n_ctx = min(self.runner.n_ctx_seq, max(1, self._embedding_ctx))
-                self._embedder_making = self._make_room(self.runner.embedder_bytes(n_ctx))
+                self._make_room(self.runner.embedder_bytes(n_ctx))
                 try:
                     self._embedder = self.runner.new_embedder(n_ctx)
                 finally:
@@ -290,14 +290,18 @@ class LocalModel:
                 )
             return self._embedder
 
-    def _make_room(self, need: int) -> int:
-        """Make sure ``need`` more bytes fit the memory budget, dropping saved prompt
-        states (any model's) if they must go; ``need``. Raises InsufficientMemory."""
+    def _make_room(self, need: int) -> None:
+        """Hold ``need`` more bytes for the embedding context being made, dropping saved
+        prompt states (any model's) if that makes them fit. Raises InsufficientMemory."""
+
+        def hold(nbytes: int) -> None:
+            self._embedder_making = nbytes
+
         room = self._room
-        if room is None or need <= room.free():
-            return need
-        room.reclaim(need - room.free())
-        free = room.free()
+        if room is None:
+            hold(need)
+            return
+        free = room.reserve(need, hold)
         if need > free:
             raise InsufficientMemory(
                 f"Embedding with '{self.name}' needs {need / 2**20:.0f} MiB for its "
@@ -306,7 +310,6 @@ class LocalModel:
                 "Unload a model, or retry when one is unloaded.",
                 retry_after=5,
             )
-        return need
 
     @contextlib.contextmanager
     def _in_use(self) -> Iterator[None]:
@@ -395,6 +398,10 @@ class LocalModel:
     def reclaim(self, nbytes: int) -> int:
         """Drop up to ``nbytes`` of the prompt cache's least recently used states."""
         return self.engine.prompt_cache.reclaim(nbytes)
+
+    def reclaimable_bytes(self) -> int:
+        """What :meth:`reclaim` could give back: the prompt cache's saved states."""
+        return self.engine.prompt_cache.size_bytes
 
     def bind_memory(self, room: MemoryRoom) -> None:
         """The prompt cache keeps within the budget's room from now on, and the

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -72,6 +73,9 @@ class LoadedModel(Backend, Protocol):
     def reclaim(self, nbytes: int) -> int:
         """Free up to ``nbytes`` it holds without unloading (its prompt cache's least
         recently used states), from any thread; the bytes freed."""
+
+    def reclaimable_bytes(self) -> int:
+        """What :meth:`reclaim` could free now."""
 
     def bind_memory(self, room: MemoryRoom) -> None:
         """From now on, keep what it takes after the load within ``room``."""
@@ -695,6 +699,7 @@ class _SharedBudget:
     def __init__(self, registry: ModelRegistry) -> None:
         self._registry = registry
         self.pending = 0  # a load being planned, not yet in its entry
+        self._reserving = threading.Lock()  # one reservation looks at a time
 
     def free(self) -> int:
         registry = self._registry
@@ -703,13 +708,33 @@ class _SharedBudget:
         return registry._budget - held - self.pending
 
     def reclaim(self, nbytes: int) -> int:
-        instances = [e.instance for e in tuple(self._registry._entries.values())]
         freed = 0
-        for instance in sorted((i for i in instances if i), key=lambda i: i.last_used):
+        for instance in self._instances():
             if freed >= nbytes:
                 break
             freed += instance.model.reclaim(nbytes - freed)
         return freed
+
+    def reserve(self, nbytes: int, hold: Callable[[int], None]) -> int:
+        with self._reserving:
+            free = self.free()
+            if nbytes <= free:
+                hold(nbytes)
+                return free
+            # Saved states go only when that makes it fit: never for nothing.
+            reclaimable: int = sum(i.model.reclaimable_bytes() for i in self._instances())
+            if nbytes > free + reclaimable:
+                return free + reclaimable
+            self.reclaim(nbytes - free)
+            free = self.free()
+            if nbytes <= free:
+                hold(nbytes)
+            return free
+
+    def _instances(self) -> list[Any]:
+        """The loaded instances, least recently used first (a copy: any thread)."""
+        instances = [e.instance for e in tuple(self._registry._entries.values())]
+        return sorted((i for i in instances if i), key=lambda i: i.last_used)
 
 
 def _in_flight(entries: Iterable[_Entry]) -> Iterable[asyncio.Task[Any]]:

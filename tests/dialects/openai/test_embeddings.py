@@ -213,3 +213,15 @@ def test_saved_prompt_states_give_way_to_the_embedding_context() -> None:
         assert post(base, "/v1/embeddings", input="hello").status_code == 200
         assert engine.prompt_cache.size_bytes <= (1 << 19)
         assert engine.prompt_cache.reclaimed > 0
+
+
+def test_saved_prompt_states_stay_when_dropping_them_would_not_be_enough() -> None:
+    runner = ScriptedRunner(embed_bytes=3 << 20, state_bytes_per_token=6144)  # 3 MiB
+    with served(runner, parallel=1, memory_budget_mb=2) as (base, engine):
+        chat = {"model": "scripted", "messages": [{"role": "user", "content": "a" * 90}]}
+        assert httpx.post(base + "/v1/chat/completions", json=chat, timeout=30).is_success
+        wait_until(lambda: len(runner.saves) == 1)
+        kept = engine.prompt_cache.size_bytes
+        assert kept > 0
+        assert post(base, "/v1/embeddings", input="hello").status_code == 503
+        assert engine.prompt_cache.size_bytes == kept and engine.prompt_cache.reclaimed == 0
