@@ -5,7 +5,9 @@ chains) recursively, about 4 KiB of native stack a level: 2,000 nested
 ``$defs`` (a 126 kB schema) or 4,096 nested rules overflowed a thread's
 default 8 MiB and crashed the process with a segfault (16 MiB were enough
 for 4,096). :func:`run_deep` runs such work on threads of their own with
-``STACK`` bytes of stack (address space, used only as needed).
+``STACK`` bytes of stack (address space, used only as needed). A thread is
+started whenever every one is busy, up to ``MAX_THREADS``: one slow compile
+never holds up another model's request.
 
 Example::
 
@@ -23,35 +25,45 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 STACK = 512 << 20
-THREADS = 2
+MAX_THREADS = 8
 
 _jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
-_started = False
 _lock = threading.Lock()
+_threads = 0
+_idle = 0  # threads waiting for a job
 
 
 def run_deep(fn: Callable[[], T]) -> T:
     """``fn()`` on a deep-stack thread; its result, or its exception raised here."""
-    global _started
+    global _threads, _idle
+    done: Future[T] = Future()
     with _lock:
-        if not _started:
+        if _idle > 0:
+            _idle -= 1  # that thread takes this job
+        elif _threads < MAX_THREADS:
             old = threading.stack_size(STACK)
             try:
-                for i in range(THREADS):
-                    name = f"sluice-deep-{i}"
-                    threading.Thread(target=_loop, name=name, daemon=True).start()
+                name = f"sluice-deep-{_threads}"
+                threading.Thread(target=_loop, name=name, daemon=True).start()
             finally:
                 threading.stack_size(old)
-            _started = True
-    done: Future[T] = Future()
-    _jobs.put((fn, done))
+            _threads += 1
+        _jobs.put((fn, done))
     return done.result()
 
 
+def threads() -> int:
+    """How many deep-stack threads have been started."""
+    return _threads
+
+
 def _loop() -> None:
+    global _idle
     while True:
         fn, done = _jobs.get()
         try:
             done.set_result(fn())
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
             done.set_exception(exc)
+        with _lock:
+            _idle += 1
