@@ -95,7 +95,6 @@ def runner() -> Iterator[Any]:
 
 def test_real_vocab_control_texts(runner: Any) -> None:
     assert {"<|im_start|>", "<|im_end|>", "<|endoftext|>"} <= set(runner.control_texts)
-    assert runner.max_piece_bytes >= len(b"<|im_start|>")
 
 
 def test_real_tokens_of_an_injection_attempt(runner: Any) -> None:

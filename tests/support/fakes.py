@@ -77,7 +77,6 @@ class ScriptedRunner:
     dense_sequences: bool = True  # the engine compacts active sequences onto low ids
     trim_after_restore: bool = True  # False: like a sliding-window model's saved state
     control_texts: tuple[str, ...] = ("<|im_start|>", "<|im_end|>")
-    max_piece_bytes: int = 64
     min_prefill_chunk: int = 1
     state_bytes_per_token: int = 4  # size of a saved state, like a real KV's (>= 4)
     embedders: list[FakeEmbedder] = field(default_factory=list)  # made by new_embedder

@@ -131,22 +131,19 @@ def gpu_offload_supported() -> bool:
 
 # -- vocabulary tables ---------------------------------------------------------------
 #
-# The runner needs two facts about the whole vocabulary at load: which tokens are
-# control (or unknown) tokens, and the longest token piece. Asked token by token
-# through the C API that is two ctypes calls per token, ~0.25 s for Gemma's
-# 262,144 tokens: more than half of what llama.cpp itself takes to load the model.
-# llama.cpp already holds both in two arrays it fills for every token when it loads
-# a vocabulary (its token table and its token-to-piece cache), which two exported,
-# non-public accessors of ``llama_vocab`` point into. They are read in bulk, once the
+# The runner needs one fact about the whole vocabulary at load: which tokens are
+# control (or unknown) tokens. Asked token by token through the C API that is a
+# ctypes call per token, for Gemma's 262,144 tokens a good part of what llama.cpp
+# itself takes to load the model. llama.cpp already holds every token's attributes
+# in the token table it fills when it loads a vocabulary, which an exported,
+# non-public accessor of ``llama_vocab`` points into. It is read in bulk, once the
 # layout checks out against the C API (element addresses, and the attributes,
-# scores, text and piece lengths of tokens spread over the vocabulary); a build
-# without those symbols (another C++ ABI or platform) or with another layout gets
-# the token-by-token scan, whose results are the same.
+# scores and text lengths of tokens spread over the vocabulary); a build without
+# that symbol (another C++ ABI or platform) or with another layout gets the
+# token-by-token scan, whose results are the same.
 
 _TOKEN_DATA_SYMBOL = "_ZNK11llama_vocab14get_token_dataEi"  # const token_data & (id) const
-_PIECE_SYMBOL = "_ZNK11llama_vocab14token_to_pieceB5cxx11Ei"  # const std::string & (id) const
 _TOKEN_DATA_SIZE = 40  # struct token_data { std::string text; float score; int32 attr; }
-_STRING_SIZE = 32  # libstdc++ std::string: data pointer, size, 16-byte inline buffer
 _CHECK_TOKENS = 64  # tokens spread over the vocabulary whose bulk values are checked
 
 
@@ -213,49 +210,17 @@ def _bulk_attrs(L: Any, vocab: Any, n_vocab: int) -> npt.NDArray[np.int32] | Non
     return attrs
 
 
-def _bulk_piece_lengths(L: Any, vocab: Any, n_vocab: int) -> npt.NDArray[np.int64] | None:
-    """Every token's piece length (``special=True``) from llama.cpp's piece cache; None
-    if unverified."""
-    checks = _check_tokens(n_vocab)
-    base = _array_base(L, _PIECE_SYMBOL, vocab, checks, _STRING_SIZE)
-    if base is None:
-        return None
-    table = _table(base, n_vocab, _STRING_SIZE)
-    sizes = _int64_column(table, 2)
-    if int(sizes.min()) < 0:
-        return None
-    checks = sorted({*checks, int(np.argmax(sizes))})
-    pointers = _int64_column(table[checks], 0)
-    buf = ctypes.create_string_buffer(_PIECE_BUF)
-    for i, t in enumerate(checks):
-        n = L.llama_token_to_piece(vocab, t, buf, _PIECE_BUF, 0, True)
-        size = int(sizes[t])
-        if size != abs(n):  # n < 0: too long for the buffer, -n is its length
-            return None
-        # A short string keeps its bytes inline, right after its pointer and size.
-        if size < 16 and int(pointers[i]) != base + t * _STRING_SIZE + 16:
-            return None
-    return sizes
-
-
-def _vocab_tables(L: Any, vocab: Any, n_vocab: int) -> tuple[list[int], int]:
-    """(control or unknown token ids, longest ``token_bytes(t, special=True)``)."""
+def _control_ids(L: Any, vocab: Any, n_vocab: int) -> list[int]:
+    """The ids of control and unknown tokens."""
     control = L.LLAMA_TOKEN_ATTR_CONTROL | L.LLAMA_TOKEN_ATTR_UNKNOWN
     attrs = _bulk_attrs(L, vocab, n_vocab) if n_vocab else None
-    sizes = _bulk_piece_lengths(L, vocab, n_vocab) if n_vocab else None
-    if attrs is not None and sizes is not None:
-        ids = np.flatnonzero(attrs & control).tolist()
-        # token_bytes reads a piece into a _PIECE_BUF buffer: a longer one is empty.
-        fits = sizes[sizes <= _PIECE_BUF]
-        return ids, int(fits.max()) if fits.size else 0
+    if attrs is not None:
+        ids: list[int] = np.flatnonzero(attrs & control).tolist()
+        return ids
     if n_vocab:
         log.debug("vocabulary tables: bulk read unavailable, scanning token by token")
     get_attr = L.llama_vocab_get_attr
-    to_piece = L.llama_token_to_piece
-    buf = ctypes.create_string_buffer(_PIECE_BUF)
-    ids = [t for t in range(n_vocab) if get_attr(vocab, t) & control]
-    longest = max((to_piece(vocab, t, buf, _PIECE_BUF, 0, True) for t in range(n_vocab)), default=0)
-    return ids, max(longest, 0)
+    return [t for t in range(n_vocab) if get_attr(vocab, t) & control]
 
 
 @dataclass(frozen=True, slots=True)
@@ -379,7 +344,7 @@ class LlamaRunner:
         self._pieces: dict[int, bytes] = {}
         self._special_pieces: dict[int, bytes] = {}
         self._eog: list[int] | None = None  # every end-of-generation token, on first use
-        control_ids, self.max_piece_bytes = _vocab_tables(L, self._vocab, self.n_vocab)
+        control_ids = _control_ids(L, self._vocab, self.n_vocab)
         self.control_texts = tuple(text for t in control_ids if (text := self._special_text(t)))
         # Where tokenize may cut a long text: before a control-token text; compiled on
         # first use (only texts over _TOKENIZE_PIECE characters need it).

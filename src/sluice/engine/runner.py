@@ -85,7 +85,6 @@ class ModelRunner(Protocol):
     # sliding-window attention: llama.cpp saves only the window's cells of those layers.
     trim_after_restore: bool
     control_texts: tuple[str, ...]  # texts of the control tokens (<|im_end|>, ...)
-    max_piece_bytes: int  # the longest token's text, in bytes
     # The smallest prompt chunk worth prefilling beside generating sequences: below
     # it the cost per token rises steeply (see scheduler.PrefillPacer). A chunk that
     # does not end its prompt is a multiple of it (a partial tile costs a whole one).
