@@ -237,9 +237,13 @@ def keyed() -> Iterator[tuple[str, list[tuple[str, str]]]]:
         yield base, routes
 
 
+PUBLIC = ("/health", "/")  # and the web page's files (tests/web/test_page.py)
+
+
 def test_every_route_but_health_needs_a_key(keyed: tuple[str, list[tuple[str, str]]]) -> None:
     base, routes = keyed
     assert ("/health", "GET") in routes and ("/v1/chat/completions", "POST") in routes
+    assert ("/ui/dummy", "GET") in routes  # not a file of the page: behind the key
     assert len(routes) > 10
     refused = 0
     with httpx.Client(base_url=base, timeout=10) as client:
@@ -254,7 +258,7 @@ def test_every_route_but_health_needs_a_key(keyed: tuple[str, list[tuple[str, st
                 {"x-api-key": f"{ALICE}x", "Authorization": f"Bearer {BOB}x"},
             ):
                 r = client.request(method, path, headers=headers, json={})
-                if path == "/health":
+                if path in PUBLIC:
                     assert r.status_code == 200, (method, path, headers)
                     continue
                 assert r.status_code == 401, (method, path, headers, r.status_code)
@@ -269,7 +273,7 @@ def test_every_route_but_health_needs_a_key(keyed: tuple[str, list[tuple[str, st
                     else:
                         assert err["code"] == "invalid_api_key"
                 refused += 1
-    assert refused >= 7 * (len(routes) - 1)
+    assert refused >= 7 * (len(routes) - 3)  # /health; / by GET and HEAD
 
 
 def test_the_right_key_gets_through(keyed: tuple[str, list[tuple[str, str]]]) -> None:

@@ -49,6 +49,7 @@ from sluice.server.auth import STATE_KEY, ApiKeys, BearerAuth, names_line
 from sluice.server.sse import error_response
 from sluice.server.state import build_state
 from sluice.store import SQLiteStore
+from sluice.web import WebPage
 
 log = logging.getLogger("sluice.api")
 
@@ -132,6 +133,7 @@ def create_app(
     # The config file is read once, here; each package is handed its table.
     config = ConfigFile.read(settings.config) if settings.config else None
     keys = ApiKeys.from_settings(settings, config=config)
+    page = WebPage.load()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -264,6 +266,7 @@ def create_app(
                 for path in openai_media.WHAT
             ),
             *lmstudio.ROUTES,
+            *page.routes,  # the chat page: / and /ui/...
         ],
         lifespan=lifespan,
         middleware=[Middleware(_NameCaller)],
@@ -275,5 +278,7 @@ def create_app(
     )
     log.info(names_line(keys.names))
     if keys:
-        return BearerAuth(app, keys, render_error_for)  # type: ignore[return-value]
+        # The page's files hold nothing secret: it loads, then asks for a key.
+        public = {"/health", *page.paths}
+        return BearerAuth(app, keys, render_error_for, public=public)  # type: ignore[return-value]
     return app

@@ -1,4 +1,5 @@
-"""API keys: several named keys, checked in constant time on every route but ``/health``.
+"""API keys: several named keys, checked in constant time on every route but the public
+ones (``/health``, and the web page's files: nothing secret, and the page asks for a key).
 
 Sources, merged (a name or a key given twice, in one source or across them, is an error):
 
@@ -201,8 +202,10 @@ def names_line(names: Iterable[str]) -> str:
 
 
 class BearerAuth:
-    """Requires a key on every route but ``/health``: ``Authorization: Bearer <key>``,
-    or ``x-api-key: <key>`` (Anthropic's header; the same keys).
+    """Requires a key on every route but the ``public`` paths (``/health`` unless told):
+    ``Authorization: Bearer <key>``, or ``x-api-key: <key>`` (Anthropic's header; the
+    same keys). A public path is matched exactly (a set lookup: as cheap as the one
+    comparison it replaced), so ``/ui/../v1/models`` is not public.
 
     Unknown routes answer 401 as well, so nobody learns which routes exist
     without a key. The key's name goes into the ASGI scope's state
@@ -221,9 +224,12 @@ class BearerAuth:
         app: Starlette,
         keys: ApiKeys,
         render_for: Callable[[str], Callable[[SluiceError], Response]] | None = None,
+        *,
+        public: Iterable[str] = ("/health",),
     ) -> None:
         self.app = app
         self.keys = keys
+        self.public = frozenset(public)
         # The refusal in the shape of the dialect at a path (OpenAI's by default).
         self.render_for = render_for or (lambda path: error_response)
 
@@ -231,7 +237,7 @@ class BearerAuth:
         return getattr(self.app, name)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] in ("http", "websocket") and scope["path"] != "/health":
+        if scope["type"] in ("http", "websocket") and scope["path"] not in self.public:
             name = self._authenticate(scope)
             if name is None:
                 await self._refuse(scope, receive, send)
