@@ -23,7 +23,8 @@ export function contentText(content) {
 }
 
 export function formatMetrics({ tokens, rate, ttft }) {
-  const parts = [`${tokens} token${tokens === 1 ? "" : "s"}`];
+  const parts = [];
+  if (tokens !== undefined) parts.push(`${tokens} token${tokens === 1 ? "" : "s"}`);
   if (rate !== undefined) parts.push(`${rate.toFixed(1)} tok/s`);
   if (ttft !== undefined) parts.push(`first token ${Math.round(ttft)} ms`);
   return parts.join(" · ");
@@ -70,9 +71,12 @@ export function messageView(message, options = {}) {
   const status = STATUS_WORDS[message.status];
   if (status) foot.append(el("span", `status ${message.status}`, status));
   if (message.error) foot.append(el("span", "status failed", errorText(message.error)));
-  const usage = message.usage?.completion_tokens;
-  const metrics = options.metrics ?? (usage ? { tokens: usage } : null);
-  if (metrics) foot.append(el("span", "metrics", formatMetrics(metrics)));
+  // Measured here (this page sent it), else what the server stored.
+  const measured = options.metrics ?? {};
+  const tokens = measured.tokens ?? message.usage?.completion_tokens;
+  if (tokens !== undefined || measured.ttft !== undefined) {
+    foot.append(el("span", "metrics", formatMetrics({ ...measured, tokens })));
+  }
   if (role === "user" && options.onEdit) {
     const edit = el("button", "link", "Edit");
     edit.type = "button";
