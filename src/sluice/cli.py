@@ -25,7 +25,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         description="Serve local GGUF models (and upstream servers) over OpenAI's "
         "/v1/chat/completions, /v1/completions, /v1/responses and /v1/embeddings, "
         "Anthropic's /v1/messages, Ollama's /api, LM Studio's /api/v1 API and the /c1 "
-        "gateway. Every flag can also be set as an environment variable SLUICE_<NAME> "
+        "gateway, with a web chat page at /. Every flag can also be set as an environment variable SLUICE_<NAME> "
         "(e.g. SLUICE_PORT=9000); a flag wins over the environment. Reference: "
         "docs/configuration.md.",
     )

@@ -69,8 +69,8 @@ class Settings:
     api_key: str | None = setting(
         None,
         "server",
-        "require 'Authorization: Bearer <key>' on every route but /health; this key is "
-        "named 'default'",
+        "require 'Authorization: Bearer <key>' on every route but /health and the web "
+        "page's files (/, /ui/...); this key is named 'default'",
         shown="none",
     )
     api_keys: str | None = setting(
