@@ -129,10 +129,13 @@ def test_the_page_loads_clean_and_all_local(page: tuple[Any, Seen], url: str) ->
     from playwright.sync_api import expect
 
     p, seen = page
-    expect(p.get_by_role("combobox", name="Model")).to_have_value("smollm2-135m-instruct")
-    expect(p.get_by_role("textbox", name="Message")).to_be_editable()
-    expect(p.get_by_role("button", name="Send")).to_be_enabled()
-    expect(p.get_by_role("button", name="Stop")).to_be_disabled()
+    # The controls, by their exact accessible names.
+    expect(p.get_by_role("combobox", name="Model", exact=True)).to_have_value(
+        "smollm2-135m-instruct"
+    )
+    expect(p.get_by_role("textbox", name="Message", exact=True)).to_be_editable()
+    expect(p.get_by_role("button", name="Send", exact=True)).to_be_enabled()
+    expect(p.get_by_role("button", name="Stop", exact=True)).to_be_disabled()
     p.wait_for_load_state("networkidle")
     origin = url + "/"
     assert seen.requests and all(u.startswith(origin) for u in seen.requests), seen.requests

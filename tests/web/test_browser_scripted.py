@@ -1,0 +1,110 @@
+"""What the small real model never writes, shown in a real Chromium: reasoning folded
+while it streams and after, and an agent's tool calls in a stored conversation. The
+server is the real app with a scripted runner that replays chosen token pieces."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support.browser import chromium, screenshots_dir
+from tests.support.fakes import EOS, ScriptedRunner
+from tests.support.helpers import scripted_server
+from tests.support.tools import WEATHER
+
+# A Qwen3-like template: it knows tools (hermes <tool_call> framing) and <think>.
+TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t['function']['name'] }}"
+    "{% endfor %}. Call one as <tool_call>\n{...}\n</tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{# <think> #}"
+)
+THINKING = [b"<th", b"ink>Two and two", b" make four.</th", b"ink>\n\nIt is **4**.", EOS]
+CALL = [
+    b'<tool_call>\n{"name": "get_weather", "argu',
+    b'ments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>',
+    EOS,
+]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[str, ScriptedRunner]]:
+    runner = ScriptedRunner(chat_template=TEMPLATE, n_ctx_seq=2048, default=THINKING)
+    runner.token_delay = 0.01  # the reasoning streams in over several frames
+    with scripted_server(runner) as base:
+        yield base, runner
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    with chromium() as b:
+        yield b
+
+
+@pytest.fixture(scope="module")
+def shots() -> Path:
+    return screenshots_dir()
+
+
+@pytest.fixture
+def page(browser: Any, server: tuple[str, ScriptedRunner]) -> Iterator[Any]:
+    ctx = browser.new_context(viewport={"width": 1000, "height": 700})
+    page = ctx.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(server[0] + "/")
+    yield page
+    ctx.close()
+    assert errors == []
+
+
+def test_reasoning_is_folded_above_the_answer(page: Any, shots: Path) -> None:
+    from playwright.sync_api import expect
+
+    box = page.get_by_role("textbox", name="Message")
+    box.fill("What is 2 + 2?")
+    box.press("Enter")
+    reasoning = page.locator("article.assistant details.reasoning")
+    expect(reasoning).to_be_visible()
+    expect(reasoning.locator("summary")).to_have_text(re.compile("^Reasoning"))
+    expect(page.get_by_role("button", name="Send")).to_be_enabled()
+    expect(page).to_have_url(re.compile("#conv_"))
+    answer = page.locator("article.assistant")
+    expect(answer.locator(".content strong")).to_have_text("4")  # markdown
+    expect(answer.locator(".content")).not_to_contain_text("make four")
+    assert reasoning.get_attribute("open") is None  # folded
+    expect(reasoning.locator(".reasoning-text")).to_be_hidden()
+    reasoning.locator("summary").click()
+    expect(reasoning.locator(".reasoning-text")).to_have_text("Two and two make four.")
+    page.screenshot(path=shots / "reasoning.png")
+
+
+def test_an_agents_tool_calls_show_in_its_conversation(
+    page: Any, server: tuple[str, ScriptedRunner], shots: Path
+) -> None:
+    from playwright.sync_api import expect
+
+    base, runner = server
+    runner.default = CALL
+    try:
+        r = httpx.post(
+            f"{base}/c1/chat",
+            json={"message": "Weather in Paris?", "tools": [WEATHER]},
+            timeout=30,
+        )
+    finally:
+        runner.default = THINKING
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] == "tool_calls"
+    page.reload()
+    page.get_by_role("navigation", name="Conversations").get_by_role("button").first.click()
+    call = page.locator("article.assistant .tool-call")
+    expect(call.locator(".tool-name")).to_have_text("Tool call: get_weather")
+    expect(call.locator(".tool-args")).to_contain_text('"city": "Paris"')
+    page.screenshot(path=shots / "tool-call.png")
