@@ -108,3 +108,26 @@ def test_an_agents_tool_calls_show_in_its_conversation(
     expect(call.locator(".tool-name")).to_have_text("Tool call: get_weather")
     expect(call.locator(".tool-args")).to_contain_text('"city": "Paris"')
     page.screenshot(path=shots / "tool-call.png")
+
+
+def test_the_list_shows_older_conversations_on_asking(
+    page: Any, server: tuple[str, ScriptedRunner]
+) -> None:
+    from playwright.sync_api import expect
+
+    base, runner = server
+    delay, runner.token_delay = runner.token_delay, 0.0
+    try:
+        with httpx.Client(base_url=base, timeout=30) as client:
+            total = client.get("/c1/conversations").json()["total"]
+            for i in range(total, 105):
+                r = client.post("/c1/chat", json={"message": f"Question {i}", "max_tokens": 2})
+                assert r.status_code == 200, r.text
+    finally:
+        runner.token_delay = delay
+    page.reload()
+    entries = page.get_by_role("navigation", name="Conversations").get_by_role("listitem")
+    expect(entries).to_have_count(100)
+    page.get_by_role("button", name="Older conversations").click()
+    expect(entries).to_have_count(105)
+    expect(page.get_by_role("button", name="Older conversations")).to_be_hidden()

@@ -14,7 +14,8 @@ const ui = Object.fromEntries(
     "conversations", "conversations-empty", "conversation-bar", "title", "rename",
     "rename-form", "title-input", "rename-cancel", "delete", "new-chat", "forget-key",
     "key-dialog", "key-form", "key-input", "key-note", "branch-note", "branch-cancel",
-    "toggle-sidebar", "sidebar", "model", "load", "load-progress", "load-text", "empty-hint", "thread",
+    "toggle-sidebar", "sidebar", "model", "load", "load-progress", "load-text", "empty-hint",
+    "thread", "more-conversations",
   ].map((id) => [id.replace(/-(\w)/g, (_, c) => c.toUpperCase()), $(id)]),
 );
 
@@ -77,12 +78,21 @@ const picker = new ModelPicker(
 
 // -- the conversations -----------------------------------------------------------------
 
-async function refreshList() {
-  const page = await api.json("/c1/conversations?limit=100");
-  state.conversations = page.data;
-  renderList(ui.conversations, page.data, state.conversation?.id, openFromList);
-  ui.conversationsEmpty.hidden = page.data.length > 0;
+const PAGE = 100; // the most /c1/conversations gives at once
+
+/** The list from the top (`more`: the next page after what is shown). */
+async function refreshList(more = false) {
+  const offset = more ? state.conversations.length : 0;
+  const page = await api.json(`/c1/conversations?limit=${PAGE}&offset=${offset}`);
+  state.conversations = more ? [...state.conversations, ...page.data] : page.data;
+  renderList(ui.conversations, state.conversations, state.conversation?.id, openFromList);
+  ui.conversationsEmpty.hidden = state.conversations.length > 0;
+  ui.moreConversations.hidden = !page.has_more;
 }
+
+ui.moreConversations.addEventListener("click", () =>
+  refreshList(true).catch((error) => showError(error.message)),
+);
 
 /** The head the server continues from (the newest message where it does not say). */
 const serverHead = (conversation, tree) => conversation.head_id ?? tree.newest() ?? null;
@@ -98,7 +108,7 @@ function install(conversation, head) {
 }
 
 async function openConversation(id) {
-  if (state.controller) return; // an answer is streaming: Stop first
+  if (state.controller) throw new Error("An answer is still coming: Stop it first.");
   const conversation = await api.json(`/c1/conversations/${encodeURIComponent(id)}`);
   endEdit();
   install(conversation);
@@ -112,7 +122,10 @@ function openFromList(id) {
 }
 
 function newChat() {
-  if (state.controller) return;
+  if (state.controller) {
+    showError("An answer is still coming: Stop it first.");
+    return;
+  }
   state.conversation = null;
   state.tree = null;
   state.head = null;
