@@ -16,7 +16,6 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from tests.support.browser import chromium, screenshots_dir
 from tests.support.real_server import QUIET
 from tests.support.servers import serve_process
 
@@ -31,17 +30,6 @@ LONG = 120_000  # ms: an answer on a loaded 2-core machine
 def url() -> Iterator[str]:
     with serve_process("--parallel", "1", "--ctx", "2048", *QUIET) as base:
         yield base
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    with chromium() as b:
-        yield b
-
-
-@pytest.fixture(scope="module")
-def shots() -> Path:
-    return screenshots_dir()
 
 
 @dataclass

@@ -12,7 +12,6 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.browser import chromium, screenshots_dir
 from tests.support.fakes import EOS, ScriptedRunner
 from tests.support.helpers import scripted_server
 from tests.support.tools import WEATHER
@@ -39,17 +38,6 @@ def server() -> Iterator[tuple[str, ScriptedRunner]]:
     runner.token_delay = 0.01  # the reasoning streams in over several frames
     with scripted_server(runner) as base:
         yield base, runner
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    with chromium() as b:
-        yield b
-
-
-@pytest.fixture(scope="module")
-def shots() -> Path:
-    return screenshots_dir()
 
 
 @pytest.fixture
