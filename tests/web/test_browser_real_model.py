@@ -362,6 +362,7 @@ def test_with_keys_the_page_asks_for_one_once(browser: Any, shots: Path) -> None
             expect(picker).to_have_value("smollm2-135m-instruct")
             expect(p.get_by_role("navigation", name="Conversations")).to_contain_text("Say hello.")
             expect(dialog).to_be_hidden()
+            p.screenshot(path=shots / "keyed.png")
             # Forgetting it asks again.
             p.get_by_role("button", name="Forget API key").click()
             expect(dialog).to_be_visible()
