@@ -119,3 +119,22 @@ def test_the_list_shows_older_conversations_on_asking(
     page.get_by_role("button", name="Older conversations").click()
     expect(entries).to_have_count(105)
     expect(page.get_by_role("button", name="Older conversations")).to_be_hidden()
+
+
+def test_a_code_block_has_a_copy_button(page: Any, server: tuple[str, ScriptedRunner]) -> None:
+    from playwright.sync_api import expect
+
+    _, runner = server
+    page.context.grant_permissions(["clipboard-read", "clipboard-write"])
+    runner.default = [b"Here:\n\n```python\nprint(", b'"hi")\n```\n', EOS]
+    try:
+        box = page.get_by_role("textbox", name="Message")
+        box.fill("Some code, please.")
+        box.press("Enter")
+        copy = page.locator("article.assistant").get_by_role("button", name="Copy the code")
+        expect(copy).to_be_visible()
+    finally:
+        runner.default = THINKING
+    copy.click()
+    expect(copy).to_have_text("Copied")
+    assert page.evaluate("navigator.clipboard.readText()") == 'print("hi")\n'

@@ -59,6 +59,7 @@ export function messageView(message, options = {}) {
   if (role === "assistant") {
     const body = el("div", "content markdown");
     body.innerHTML = toHtml(text);
+    addCopyButtons(body);
     article.append(body);
   } else if (role === "tool") {
     article.append(el("pre", "content tool-output", text));
@@ -86,6 +87,32 @@ export function messageView(message, options = {}) {
   }
   if (foot.childElementCount) article.append(foot);
   return article;
+}
+
+/** A Copy button on each code block (where the page may use the clipboard: not on
+ * plain http to another host than localhost). */
+function addCopyButtons(container) {
+  if (!navigator.clipboard) return;
+  for (const pre of container.querySelectorAll("pre")) {
+    const button = el("button", "copy", "Copy");
+    button.type = "button";
+    button.setAttribute("aria-label", "Copy the code");
+    button.addEventListener("click", async () => {
+      try {
+        await navigator.clipboard.writeText(pre.textContent);
+        button.textContent = "Copied";
+      } catch (error) {
+        button.textContent = "Not copied";
+        button.title = error.message;
+      }
+      setTimeout(() => {
+        button.textContent = "Copy";
+      }, 1500);
+    });
+    const box = el("div", "code");
+    pre.replaceWith(box);
+    box.append(pre, button);
+  }
 }
 
 function errorText(error) {
@@ -173,6 +200,7 @@ export class StreamingAnswer {
   /** The end: `status` ("complete", "incomplete", "failed"), figures, an error. */
   finish(status, metrics, error) {
     this.render();
+    addCopyButtons(this.body);
     this.article.removeAttribute("aria-busy");
     if (this.reasoningSummary) this.reasoningSummary.textContent = "Reasoning";
     const foot = el("div", "msg-foot");
