@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from tests.support.real_server import QUIET
+from tests.support.real_server import QUIET, wait_idle
 from tests.support.servers import serve_process
 
 pytestmark = pytest.mark.integration
@@ -58,24 +58,10 @@ def open_page(browser: Any, url: str, **context: Any) -> tuple[Any, Seen]:
 
 @pytest.fixture
 def page(browser: Any, url: str) -> Iterator[tuple[Any, Seen]]:
-    wait_idle(url)
+    wait_idle(url, within=10)
     page, seen = open_page(browser, url)
     yield page, seen
     page.context.close()
-
-
-def wait_idle(url: str, within: float = 10.0, headers: dict[str, str] | None = None) -> None:
-    """Until no model has a request in flight (what /health counts per model)."""
-    import time
-
-    deadline = time.monotonic() + within
-    while True:
-        health = httpx.get(f"{url}/health", timeout=10).json()
-        busy = {n: m["slots"]["active"] for n, m in health["models"].items() if "slots" in m}
-        if not any(busy.values()):
-            return
-        assert time.monotonic() < deadline, f"slots still busy: {busy}"
-        time.sleep(0.05)
 
 
 def send(page: Any, text: str) -> None:
@@ -314,7 +300,7 @@ def test_model_output_is_sanitised(page: tuple[Any, Seen]) -> None:
 def test_a_narrow_window_and_dark_mode(browser: Any, url: str, shots: Path) -> None:
     from playwright.sync_api import expect
 
-    wait_idle(url)
+    wait_idle(url, within=10)
     p, seen = open_page(browser, url, color_scheme="dark")
     try:
         p.set_viewport_size({"width": 390, "height": 760})
