@@ -268,3 +268,12 @@ def test_branch_from_an_earlier_message(server: str) -> None:
         assert r.status_code == 400, extra
         assert r.json()["error"]["param"] == "parent_id"
     assert httpx.get(url, headers=_auth(ALICE)).json()["message_count"] == 8
+
+
+def test_a_conversation_on_the_default_model_names_it(server: str) -> None:
+    body = {"message": "Hi", "max_tokens": 4, "temperature": 0}
+    r = httpx.post(f"{server}/c1/chat", json=body, headers=_auth(ALICE), timeout=60)
+    assert r.status_code == 200
+    cid = r.headers["x-conversation-id"]
+    stored = httpx.get(f"{server}/c1/conversations/{cid}", headers=_auth(ALICE)).json()
+    assert stored["model"] == r.json()["model"] and stored["model"]

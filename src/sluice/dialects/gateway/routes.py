@@ -171,8 +171,10 @@ async def chat(request: Request) -> Response:
     try:
         # The user's message is durable before the first byte of the answer.
         if conversation is None:
+            # The name asked for, or (none asked: the default) the one that answers.
+            model = neutral.model or stream.meta.model
             conversation = await state.store.create_conversation(
-                owner=owner, user_id=turn.user_id, model=neutral.model
+                owner=owner, user_id=turn.user_id, model=model
             )
         parent = (
             None if turn.parent_id is _UNSET else ROOT if turn.parent_id is None else turn.parent_id
