@@ -277,3 +277,32 @@ def test_a_conversation_on_the_default_model_names_it(server: str) -> None:
     cid = r.headers["x-conversation-id"]
     stored = httpx.get(f"{server}/c1/conversations/{cid}", headers=_auth(ALICE)).json()
     assert stored["model"] == r.json()["model"] and stored["model"]
+
+
+def test_a_system_prompt_where_a_conversation_starts(server: str) -> None:
+    plain = turn(server, ALICE, "Hello")
+    first = turn(server, ALICE, "Hello", system="You are a pirate. Answer like one.")
+    assert first.status_code == 200
+    pirate = first.json()["usage"]["prompt_tokens"]
+    # SmolLM2's template has a default system prompt of its own: ours replaces it.
+    assert pirate != plain.json()["usage"]["prompt_tokens"]
+    cid = first.headers["x-conversation-id"]
+    url = f"{server}/c1/conversations/{cid}"
+    stored = httpx.get(url, headers=_auth(ALICE)).json()["messages"]
+    assert [m["role"] for m in stored] == ["system", "user", "assistant"]
+    assert stored[0]["parent_id"] is None and stored[1]["parent_id"] == stored[0]["id"]
+    # The next turn is templated over it too.
+    again = turn(server, ALICE, "And you?", conversation_id=cid)
+    assert again.json()["usage"]["prompt_tokens"] > pirate
+    # Mid-conversation it is refused (and nothing is stored); at a new start it is taken.
+    r = turn(server, ALICE, "x", conversation_id=cid, system="Be brief.")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "system"
+    for bad in ("", 5):
+        r = turn(server, ALICE, "x", system=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "system"
+    restart = turn(server, ALICE, "Hi", conversation_id=cid, parent_id=None, system="Be brief.")
+    assert restart.status_code == 200
+    after = httpx.get(url, headers=_auth(ALICE)).json()
+    assert after["message_count"] == 8
+    assert [m["role"] for m in after["messages"][-3:]] == ["system", "user", "assistant"]
+    assert after["messages"][-3]["parent_id"] is None

@@ -4,7 +4,8 @@
 answers in the OpenAI chat shape, streamed or not, and names the
 conversation in the ``x-conversation-id`` header. With ``parent_id`` it
 continues from an earlier message instead of the head (``null``: from the
-start): a branch, which becomes the main line. A conversation belongs to
+start): a branch, which becomes the main line. ``system`` sets a system
+prompt where a conversation starts, stored before the first message. A conversation belongs to
 the API key (and ``user_id``) that made it: anyone else gets 404
 ``conversation_not_found``, never a 403 that would confirm it exists.
 
@@ -16,6 +17,7 @@ the answer streams; the recorder stores it when it ends, however it ends.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +71,7 @@ class _Turn:
     conversation_id: str | None
     user_id: str | None
     parent_id: Any  # _UNSET (the head), None (a new root) or a message id
+    system: str | None  # a system prompt, stored before the message (at a start only)
     rest: dict[str, Any]
 
 
@@ -114,6 +117,16 @@ def _read_turn(raw: bytes, limits: BodyLimits) -> _Turn:
                 "'parent_id' must be a message id, or null to branch from the start",
                 param="parent_id",
             )
+    system = data.pop("system", None)
+    if system is not None:
+        if not isinstance(system, str) or not system.strip():
+            raise InvalidRequest("'system' must be a non-empty string", param="system")
+        if ids["conversation_id"] is not None and parent_id is not None:
+            raise InvalidRequest(
+                "'system' is set where a conversation starts: without 'conversation_id', "
+                "or with 'parent_id': null (a new first message)",
+                param="system",
+            )
     if data.get("n", 1) != 1:
         raise InvalidRequest("'n' must be 1 on /c1/chat: a conversation has one answer", param="n")
     return _Turn(
@@ -122,6 +135,7 @@ def _read_turn(raw: bytes, limits: BodyLimits) -> _Turn:
         conversation_id=ids["conversation_id"],
         user_id=ids["user_id"],
         parent_id=parent_id,
+        system=system,
         rest=data,
     )
 
@@ -129,7 +143,8 @@ def _read_turn(raw: bytes, limits: BodyLimits) -> _Turn:
 def _chat_request(turn: _Turn, history: list[dict[str, Any]], limits: BodyLimits) -> Any:
     """The turn as an OpenAI chat request over the whole history (on a worker thread)."""
     data = dict(turn.rest)
-    data["messages"] = [*history, {"role": "user", "content": turn.message}]
+    opening = [] if turn.system is None else [{"role": "system", "content": turn.system}]
+    data["messages"] = [*opening, *history, {"role": "user", "content": turn.message}]
     check_body_limits(data, limits)
     body = validate_body(data, ChatCompletionRequest)
     return body, body.to_request()
@@ -179,9 +194,11 @@ async def chat(request: Request) -> Response:
         parent = (
             None if turn.parent_id is _UNSET else ROOT if turn.parent_id is None else turn.parent_id
         )
-        user = await state.store.add_message(
-            conversation.id, NewMessage(role="user", content=turn.message, parent_id=parent)
-        )
+        turns = [NewMessage(role="user", content=turn.message)]
+        if turn.system is not None:
+            turns.insert(0, NewMessage(role="system", content=turn.system))
+        turns[0] = dataclasses.replace(turns[0], parent_id=parent)  # the rest chain on
+        user = (await state.store.add_messages(conversation.id, turns))[-1]
     except BaseException:
         await stream.aclose()
         lease.release()
