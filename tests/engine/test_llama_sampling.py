@@ -9,12 +9,13 @@ from typing import Any
 import pytest
 
 from sluice.core.request import SamplingParams
-from sluice.engine.llama_runner import LlamaRunner, _Chain
+from sluice.engine.llama_runner import LlamaRunner
+from sluice.engine.llama_sampling import Chain
 from sluice.engine.runner import BatchEntry
 from tests.support.llama import real_runner
 
 
-def llama_greedy_chain(runner: LlamaRunner, biases: list[tuple[int, float]]) -> _Chain:
+def llama_greedy_chain(runner: LlamaRunner, biases: list[tuple[int, float]]) -> Chain:
     """llama.cpp's logit_bias + greedy samplers, built by hand."""
     L: Any = runner._L
     chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
@@ -26,7 +27,7 @@ def llama_greedy_chain(runner: LlamaRunner, biases: list[tuple[int, float]]) -> 
             chain, L.llama_sampler_init_logit_bias(runner.n_vocab, len(biases), arr)
         )
     L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
-    return _Chain(chain)
+    return Chain(chain)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +81,7 @@ def test_stateful_or_random_sampling_keeps_llamas_chain(runner: LlamaRunner) -> 
     runner.free_sampler(sampler)
 
 
-def llama_grammar_chain(runner: LlamaRunner, grammar: str, params: SamplingParams) -> _Chain:
+def llama_grammar_chain(runner: LlamaRunner, grammar: str, params: SamplingParams) -> Chain:
     """llama.cpp's grammar sampler at the head of the chain (a pass over the whole
     vocabulary every token), then the request's samplers: what sluice did before."""
     L: Any = runner._L
@@ -92,7 +93,7 @@ def llama_grammar_chain(runner: LlamaRunner, grammar: str, params: SamplingParam
     while L.llama_sampler_chain_n(chain) > 0:
         L.llama_sampler_chain_add(head, L.llama_sampler_chain_remove(chain, 0))
     L.llama_sampler_free(chain)
-    return _Chain(head)
+    return Chain(head)
 
 
 JSON_GRAMMAR = r"""root ::= "{" ws "\"name\":" ws str "," ws "\"age\":" ws num ws "}"

@@ -1,6 +1,8 @@
 """The real model runner: llama.cpp through llama-cpp-python's low-level API.
 
-This module and ``llama_embed`` are the only ones that touch the bindings. One context holds
+This module and its parts (``llama_sampling``: the samplers; ``llama_vocab``: the
+control-token table; ``llama_embed``: pooled contexts) are the only ones that touch
+the bindings. One context holds
 ``n_parallel`` sequences, each with its own KV stream of ``n_ctx`` tokens
 (``kv_unified=False``: a sequence attends only to its own cells, which is
 measurably faster for a batch of unrelated sequences than one shared buffer).
@@ -14,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import math
 import os
 import re
 import threading
@@ -26,15 +27,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
-from sluice.core.errors import InvalidRequest, ModelLoadFailed
-from sluice.core.events import TokenLogprob, TopLogprob
-from sluice.core.request import LLAMA_CPP_SAMPLING, SamplerDefaults, SamplingParams
-from sluice.engine.llg_gate import Gate, Grammars
+from sluice.core.errors import ModelLoadFailed
+from sluice.core.request import SamplerDefaults
+from sluice.engine.llama_sampling import TOKEN_DATA, SamplingMixin, token_data_array
+from sluice.engine.llama_vocab import control_ids
+from sluice.engine.llg_gate import Grammars
 from sluice.engine.runner import BatchEntry, DecodeError, ModelInfo
 from sluice.engine.text import literal_regex
-from sluice.engine.trigger import TriggerScanner
 
 log = logging.getLogger("sluice.llama")
 
@@ -129,100 +129,6 @@ def gpu_offload_supported() -> bool:
     return bool(_llama().llama_supports_gpu_offload())
 
 
-# -- vocabulary tables ---------------------------------------------------------------
-#
-# The runner needs one fact about the whole vocabulary at load: which tokens are
-# control (or unknown) tokens. Asked token by token through the C API that is a
-# ctypes call per token, for Gemma's 262,144 tokens a good part of what llama.cpp
-# itself takes to load the model. llama.cpp already holds every token's attributes
-# in the token table it fills when it loads a vocabulary, which an exported,
-# non-public accessor of ``llama_vocab`` points into. It is read in bulk, once the
-# layout checks out against the C API (element addresses, and the attributes,
-# scores and text lengths of tokens spread over the vocabulary); a build without
-# that symbol (another C++ ABI or platform) or with another layout gets the
-# token-by-token scan, whose results are the same.
-
-_TOKEN_DATA_SYMBOL = "_ZNK11llama_vocab14get_token_dataEi"  # const token_data & (id) const
-_TOKEN_DATA_SIZE = 40  # struct token_data { std::string text; float score; int32 attr; }
-_CHECK_TOKENS = 64  # tokens spread over the vocabulary whose bulk values are checked
-
-
-def _check_tokens(n_vocab: int) -> list[int]:
-    step = max(1, n_vocab // _CHECK_TOKENS)
-    return sorted({0, 1, n_vocab - 1, *range(0, n_vocab, step)} - {n_vocab})
-
-
-def _accessor(L: Any, symbol: str) -> Any:
-    lib = getattr(getattr(L, "llama_cpp", None), "_lib", None)
-    if lib is None:
-        return None
-    try:
-        fn = lib[symbol]  # a new function object: the bindings' own stay untouched
-    except (AttributeError, KeyError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int32]
-    fn.restype = ctypes.c_void_p
-    return fn
-
-
-def _array_base(L: Any, symbol: str, vocab: Any, checks: list[int], stride: int) -> int | None:
-    """Where the accessor's per-token elements start, if they are one array of
-    ``stride``-byte rows (checked on ``checks``); None otherwise."""
-    get = _accessor(L, symbol)
-    if get is None:
-        return None
-    base = get(vocab, 0)
-    if not base or any(get(vocab, t) != base + t * stride for t in checks):
-        return None
-    return int(base)
-
-
-def _table(base: int, n: int, stride: int) -> npt.NDArray[np.int32]:
-    """``n`` rows of ``stride`` bytes at ``base`` as int32 words: a view of llama.cpp's
-    memory (copy what you keep)."""
-    raw = (ctypes.c_char * (n * stride)).from_address(base)
-    return np.frombuffer(memoryview(raw).cast("B"), dtype=np.int32).reshape(n, stride // 4)
-
-
-def _int64_column(table: npt.NDArray[np.int32], word: int) -> npt.NDArray[np.int64]:
-    return table[:, word : word + 2].copy().view(np.int64)[:, 0]
-
-
-def _bulk_attrs(L: Any, vocab: Any, n_vocab: int) -> npt.NDArray[np.int32] | None:
-    """Every token's attributes from llama.cpp's token table; None if unverified."""
-    checks = _check_tokens(n_vocab)
-    base = _array_base(L, _TOKEN_DATA_SYMBOL, vocab, checks, _TOKEN_DATA_SIZE)
-    if base is None:
-        return None
-    table = _table(base, n_vocab, _TOKEN_DATA_SIZE)
-    attrs = table[:, 9].copy()  # int32 after the 32-byte string and the float score
-    sample = table[checks]
-    scores = sample[:, 8].view(np.float32)
-    text_len = _int64_column(sample, 2)  # the string's size, after its data pointer
-    for i, t in enumerate(checks):
-        score = float(L.llama_vocab_get_score(vocab, t))
-        if int(attrs[t]) != int(L.llama_vocab_get_attr(vocab, t)):
-            return None
-        if not (float(scores[i]) == score or (math.isnan(score) and math.isnan(scores[i]))):
-            return None
-        if int(text_len[i]) != len(L.llama_vocab_get_text(vocab, t) or b""):
-            return None
-    return attrs
-
-
-def _control_ids(L: Any, vocab: Any, n_vocab: int) -> list[int]:
-    """The ids of control and unknown tokens."""
-    control = L.LLAMA_TOKEN_ATTR_CONTROL | L.LLAMA_TOKEN_ATTR_UNKNOWN
-    attrs = _bulk_attrs(L, vocab, n_vocab) if n_vocab else None
-    if attrs is not None:
-        ids: list[int] = np.flatnonzero(attrs & control).tolist()
-        return ids
-    if n_vocab:
-        log.debug("vocabulary tables: bulk read unavailable, scanning token by token")
-    get_attr = L.llama_vocab_get_attr
-    return [t for t in range(n_vocab) if get_attr(vocab, t) & control]
-
-
 @dataclass(frozen=True, slots=True)
 class LlamaRunnerConfig:
     model_path: str
@@ -240,64 +146,7 @@ def _c_bytes(data: bytearray) -> Any:
     return (ctypes.c_uint8 * len(data)).from_buffer(data)
 
 
-# llama.cpp's llama_token_data, for numpy-filled candidate arrays.
-_TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
-
-
-def _token_data_array(L: Any, buf: npt.NDArray[Any]) -> Any:
-    """A ``llama_token_data_array`` over ``buf``'s memory (which must outlive it)."""
-    assert buf.dtype.itemsize == ctypes.sizeof(L.llama_token_data)
-    data = ctypes.cast(buf.ctypes.data, ctypes.POINTER(L.llama_token_data))
-    return L.llama_token_data_array(data=data, size=len(buf), selected=-1, sorted=False)
-
-
-class _Chain:
-    """A sampler chain handle (a pointer owned by llama.cpp), or greedy without one.
-
-    Greedy sampling with nothing stateful in the chain (no grammar, no
-    penalties) is an argmax over the logits (plus any logit biases), which
-    llama.cpp's ``llama_sampler_sample`` reaches by copying the whole vocabulary
-    into a candidate array first: ~150 us a token for SmolLM2's 49,152 in a busy
-    server, against ~10 us for numpy's argmax over llama.cpp's own logits. Same
-    token: llama.cpp's greedy also takes the first of equal maxima, and a bias is
-    the same float32 addition. Biases that only lower logits (``ignore_eos``, a
-    ban) cannot change an argmax that none of them touches, so the copy they
-    need is made only when the argmax is a biased token.
-    """
-
-    __slots__ = (
-        "bias",
-        "biased",
-        "biases",
-        "gate",
-        "grammar",
-        "lowers_only",
-        "ptr",
-        "scan",
-    )
-
-    def __init__(self, ptr: Any, biases: list[tuple[int, float]] | None = None) -> None:
-        self.ptr = ptr  # None: greedy, done in LlamaRunner.sample
-        self.biases = biases or []
-        self.bias: tuple[npt.NDArray[np.intp], npt.NDArray[np.float32]] | None = None
-        self.biased: frozenset[int] = frozenset()
-        self.lowers_only = True
-        # The grammar that constrains the output (llg_gate), beside the chain: the
-        # token the chain picks is checked against it alone, and only a refused one
-        # costs a mask over the vocabulary (LlamaRunner._sample_gated).
-        self.gate: Gate | None = None
-        # A lazy grammar not engaged yet, kept aside while `scan` watches the output
-        # for its trigger (see sluice.engine.trigger).
-        self.grammar: Gate | None = None
-        self.scan: TriggerScanner | None = None
-        if biases:
-            ids = np.array([t for t, _ in biases], dtype=np.intp)
-            self.bias = (ids, np.array([b for _, b in biases], dtype=np.float32))
-            self.biased = frozenset(t for t, _ in biases)
-            self.lowers_only = all(b <= 0 for _, b in biases)
-
-
-class LlamaRunner:
+class LlamaRunner(SamplingMixin):
     """A :class:`~sluice.engine.runner.ModelRunner` on llama.cpp."""
 
     def __init__(self, config: LlamaRunnerConfig, model: Any, ctx: Any) -> None:
@@ -332,9 +181,9 @@ class LlamaRunner:
         self._batch = L.llama_batch_init(self.n_batch, 0, 1)
         self._logits_row = ctypes.c_float * self.n_vocab
         # The candidate array of constrained sampling (engine thread).
-        self._cand = np.zeros(self.n_vocab, dtype=_TOKEN_DATA)
+        self._cand = np.zeros(self.n_vocab, dtype=TOKEN_DATA)
         self._cand_ids = np.arange(self.n_vocab, dtype=np.int32)
-        self._cand_arr = _token_data_array(L, self._cand)
+        self._cand_arr = token_data_array(L, self._cand)
         self._cand_data = self._cand_arr.data
         self._grammars = Grammars(self._vocab, self.n_vocab, self._eog_tokens)
         self.grammar_checks = 0  # tokens checked against a grammar (tests, stats)
@@ -344,8 +193,8 @@ class LlamaRunner:
         self._pieces: dict[int, bytes] = {}
         self._special_pieces: dict[int, bytes] = {}
         self._eog: list[int] | None = None  # every end-of-generation token, on first use
-        control_ids = _control_ids(L, self._vocab, self.n_vocab)
-        self.control_texts = tuple(text for t in control_ids if (text := self._special_text(t)))
+        control = control_ids(L, self._vocab, self.n_vocab)
+        self.control_texts = tuple(text for t in control if (text := self._special_text(t)))
         # Where tokenize may cut a long text: before a control-token text; compiled on
         # first use (only texts over _TOKENIZE_PIECE characters need it).
         self._control_pattern: tuple[re.Pattern[str] | None, int] | None = None
@@ -568,115 +417,6 @@ class LlamaRunner:
     def valid_token(self, token: int) -> bool:
         return 0 <= token < self.n_vocab
 
-    def new_sampler(self, params: SamplingParams, prompt: list[int]) -> _Chain:
-        """Build the chain llama.cpp's own server uses, in the same order.
-
-        A lazy grammar with trigger words stays out of the chain until a trigger
-        matches (see :mod:`sluice.engine.trigger` and :meth:`_engage`); it is built
-        here all the same, so that a grammar llama.cpp refuses is a 400 now.
-        """
-        for token, _bias in params.logit_bias:
-            if not self.valid_token(token):
-                raise InvalidRequest(
-                    f"logit_bias token id {token} is out of range", param="logit_bias"
-                )
-        params = LLAMA_CPP_SAMPLING.fill(params)  # fields left out: llama.cpp's defaults
-        biases = list(params.logit_bias)
-        if params.ignore_eos and not params.grammar:
-            # (With a grammar, its end is the output's end: banning it would leave
-            # nothing to sample once the grammar is complete.)
-            biases += [(t, float("-inf")) for t in self._eog_tokens()]
-        grammar = self._grammars.gate(params.grammar) if params.grammar else None
-        penalties_on = params.uses_penalties and params.penalty_last_n != 0
-        if (params.temperature or 0.0) <= 0 and not penalties_on:
-            sampler = _Chain(None, biases)
-        else:
-            sampler = _Chain(self._chain(params, prompt, biases))
-        if grammar is not None and (params.grammar_triggers or params.grammar_trigger_words):
-            triggers = params.grammar_triggers or tuple(
-                rf"[\s\S]*?({re.escape(w)})[\s\S]*" for w in params.grammar_trigger_words
-            )
-            sampler.grammar = grammar
-            sampler.scan = TriggerScanner(triggers, params.grammar_trigger_words)
-        elif grammar is not None:
-            sampler.gate = grammar
-        return sampler
-
-    def _chain(
-        self,
-        params: SamplingParams,
-        prompt: list[int],
-        biases: list[tuple[int, float]],
-    ) -> Any:
-        L = self._L
-        chain_params = L.llama_sampler_chain_default_params()
-        chain_params.no_perf = True
-        chain = L.llama_sampler_chain_init(chain_params)
-        if biases:
-            L.llama_sampler_chain_add(chain, self._bias_sampler(biases))
-        window = params.penalty_last_n if params.penalty_last_n is not None else 64
-        if params.uses_penalties and window != 0:
-            # llama.cpp's convention: -1 is the whole context, 0 turns penalties off.
-            last_n = self.n_ctx_seq if window < 0 else window
-            last_n = min(last_n, self.n_ctx_seq)
-            penalties = L.llama_sampler_init_penalties(
-                self.n_vocab,  # the pinned bindings still take n_vocab first
-                last_n,
-                1.0 if params.repeat_penalty is None else params.repeat_penalty,
-                params.frequency_penalty,
-                params.presence_penalty,
-            )
-            # Penalties see the prompt too, as in llama.cpp's server.
-            for token in prompt[-last_n:]:
-                L.llama_sampler_accept(penalties, token)
-            L.llama_sampler_chain_add(chain, penalties)
-        temperature, top_k = params.temperature or 0.0, params.top_k or 0
-        top_p = 1.0 if params.top_p is None else params.top_p
-        min_p = params.min_p or 0.0
-        if temperature <= 0:
-            L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
-        else:
-            if top_k > 0:
-                L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_k(top_k))
-            if top_p < 1.0:
-                L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_p(top_p, 1))
-            if min_p > 0.0:
-                L.llama_sampler_chain_add(chain, L.llama_sampler_init_min_p(min_p, 1))
-            L.llama_sampler_chain_add(chain, L.llama_sampler_init_temp(temperature))
-            seed = _DEFAULT_SEED if params.seed is None else params.seed & 0xFFFFFFFF
-            L.llama_sampler_chain_add(chain, L.llama_sampler_init_dist(seed))
-        return chain
-
-    def _bias_sampler(self, biases: list[tuple[int, float]]) -> Any:
-        L = self._L
-        arr = (L.llama_logit_bias * len(biases))()
-        for i, (token, bias) in enumerate(biases):
-            arr[i].token = token
-            arr[i].bias = bias
-        return L.llama_sampler_init_logit_bias(self.n_vocab, len(biases), arr)
-
-    def _engage(self, sampler: _Chain, capture: bytes) -> None:
-        """A trigger matched: the lazy grammar constrains the output from now on, the
-        output from the match's capture on taken as its start. Output the grammar
-        does not allow leaves the rest unconstrained (llama.cpp's lazy sampler would
-        stop the server on it)."""
-        gate, sampler.grammar, sampler.scan = sampler.grammar, None, None
-        if gate is not None and gate.accept_text(capture):
-            sampler.gate = gate
-        else:
-            log.warning(
-                "a lazy grammar's trigger matched output it does not allow (%r): "
-                "the rest of the answer is not constrained",
-                capture[:80],
-            )
-
-    def free_sampler(self, sampler: Any) -> None:
-        assert isinstance(sampler, _Chain)
-        if sampler.ptr:
-            self._L.llama_sampler_free(sampler.ptr)
-            sampler.ptr = None
-        sampler.grammar = sampler.gate = None  # llguidance's: Python objects
-
     # -- engine thread only --------------------------------------------------
 
     def keep_prefix(self, seq: int, n_keep: int) -> int:
@@ -786,100 +526,6 @@ class LlamaRunner:
         if rc != 0:
             raise DecodeError(f"llama_decode returned {rc}")
         self._unsettled.clear()  # the decode applied the pending stream copies
-
-    def sample(self, sampler: Any, row: int) -> int:
-        if self._rows is not None:
-            row = self._rows[row]
-        if sampler.gate is not None:
-            token = self._sample_gated(sampler, row)
-        elif sampler.ptr is not None:
-            token = int(self._L.llama_sampler_sample(sampler.ptr, self._ctx, row))
-        else:
-            token = self._argmax(sampler, row)
-        scan = sampler.scan
-        if scan is not None and scan.feed(self.token_bytes(token, special=True)) is not None:
-            self._engage(sampler, scan.capture)
-        return token
-
-    def _sample_gated(self, sampler: _Chain, row: int) -> int:
-        """Sample first, then ask the grammar about the chosen token only (as llama.cpp's
-        own ``common_sampler_sample`` does): the unconstrained choice is usually one the
-        grammar allows. Only a refused token costs the grammar's mask and a second
-        pick among the tokens it allows. The grammar and the chain then accept the
-        token, as ``llama_sampler_sample`` would have."""
-        gate = sampler.gate
-        assert gate is not None
-        token = self._pick(sampler, row, None)
-        self.grammar_checks += 1
-        if not gate.allows(token):
-            self.grammar_rejections += 1
-            token = self._pick(sampler, row, gate)
-        gate.accept(token)
-        if sampler.ptr is not None:
-            self._Q.llama_sampler_accept(sampler.ptr, token)
-        return token
-
-    def _pick(self, sampler: _Chain, row: int, gate: Gate | None) -> int:
-        """The token the chain would sample from batch row ``row`` (no accept), among
-        those ``gate`` allows when it is given (its mask over the vocabulary)."""
-        if sampler.ptr is None and gate is None:
-            return self._argmax(sampler, row)
-        cand = self._cand
-        cand["id"] = self._cand_ids
-        cand["logit"] = self._logits(row)
-        cand["p"] = 0.0
-        arr = self._cand_arr
-        arr.data = self._cand_data  # in case a sampler pointed it elsewhere
-        arr.size, arr.selected, arr.sorted = self.n_vocab, -1, False
-        if gate is not None:
-            cand["logit"][~gate.allowed()] = -np.inf
-        if sampler.ptr is not None:  # as llama_sampler_sample: top-k & co. release the GIL
-            self._L.llama_sampler_apply(sampler.ptr, ctypes.byref(arr))
-            if not 0 <= arr.selected < arr.size:
-                raise DecodeError(f"the sampler chose no token (selected {arr.selected})")
-            return int(arr.data[arr.selected].id)
-        logits = cand["logit"]
-        if sampler.bias is not None:
-            np.add.at(logits, *sampler.bias)
-        return int(cand["id"][int(logits.argmax())])
-
-    def _argmax(self, sampler: _Chain, row: int) -> int:
-        logits = self._logits(row)
-        best = int(logits.argmax())
-        if sampler.bias is None or (sampler.lowers_only and best not in sampler.biased):
-            return best
-        logits = logits.copy()
-        np.add.at(logits, *sampler.bias)  # in order, repeated ids included, like the chain
-        return int(logits.argmax())
-
-    def _logits(self, row: int) -> npt.NDArray[np.float32]:
-        """Batch row ``row``'s logits (in llama.cpp's last batch): a view of its buffer,
-        valid until the next decode."""
-        ptr = self._Q.llama_get_logits_ith(self._ctx, row)
-        address = ctypes.cast(ptr, ctypes.c_void_p).value
-        if not address:
-            raise DecodeError(f"no logits for batch row {row}")
-        row_buffer = memoryview(self._logits_row.from_address(address)).cast("B")
-        return np.frombuffer(row_buffer, dtype=np.float32)
-
-    def logprobs(self, row: int, token: int, top_n: int) -> TokenLogprob:
-        logits = self._logits(row if self._rows is None else self._rows[row])
-        peak = float(logits.max())
-        logz = peak + float(np.log(np.exp(logits - peak, dtype=np.float64).sum()))
-        top: tuple[TopLogprob, ...] = ()
-        if top_n > 0:
-            ids = np.argpartition(-logits, top_n - 1)[:top_n]
-            ids = ids[np.argsort(-logits[ids], kind="stable")]
-            top = tuple(self._top(int(t), float(logits[t]) - logz) for t in ids)
-        piece = self.token_bytes(token)
-        return TokenLogprob(
-            piece.decode("utf-8", "replace"), token, float(logits[token]) - logz, tuple(piece), top
-        )
-
-    def _top(self, token: int, logprob: float) -> TopLogprob:
-        # A control token (``<|im_end|>``) has no output text; show its own text.
-        piece = self.token_bytes(token) or self.token_bytes(token, special=True)
-        return TopLogprob(piece.decode("utf-8", "replace"), logprob, tuple(piece))
 
     def close(self) -> None:
         L = self._L
