@@ -1,0 +1,206 @@
+"""Upstream answers passed through unchanged, read for the slot's figures: the taps."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, TypeGuard
+
+from sluice.metrics.slots import RequestMeter
+
+
+class OpenAIChunkTap:
+    """Feeds a RequestMeter from an OpenAI upstream's decoded ``data:`` objects.
+
+    The bytes go to the client unchanged; this only reads the parsed chunks.
+    TTFT is keyed to the first chunk with content (not the role-only chunk);
+    each content-bearing choice delta counts one token until ``usage`` gives
+    the exact counts.
+
+    Example::
+
+        tap = OpenAIChunkTap(slot.request())
+        async for data in decoder:          # each parsed `data:` JSON object
+            tap.chunk(data)
+        tap.finish()                        # or tap.finish(error=True)
+    """
+
+    def __init__(self, meter: RequestMeter) -> None:
+        self._meter = meter
+        self._error = False
+        self._prompt: int | None = None
+        self._completion: int | None = None
+        self._named = False
+        self.on_id: Callable[[str], None] | None = None  # hears the response's id once
+
+    @property
+    def meter(self) -> RequestMeter:
+        return self._meter
+
+    @property
+    def prompt_tokens(self) -> int | None:
+        """The prompt's tokens, once the upstream's usage has said."""
+        return self._prompt
+
+    def _name(self, response_id: object) -> None:
+        self._named = True
+        if isinstance(response_id, str) and response_id and self.on_id is not None:
+            self.on_id(response_id)
+
+    def chunk(self, data: Mapping[str, Any]) -> None:
+        """One streamed chunk (chat ``delta`` or completions ``text``)."""
+        if not self._named:
+            self._name(data.get("id"))
+        if data.get("error"):
+            self._error = True
+        choices = data.get("choices")
+        if isinstance(choices, list):
+            bearing = sum(1 for choice in choices if _carries_content(choice))
+            if bearing:
+                self._meter.tokens(bearing)
+        self._usage(data.get("usage"))
+
+    def body(self, data: Mapping[str, Any]) -> None:
+        """A non-streaming answer: the first token is when it arrived."""
+        if data.get("error"):
+            self._error = True
+            return
+        self._meter.first_token()
+        self._usage(data.get("usage"))
+        if self._completion is not None:
+            self._meter.tokens(self._completion)
+
+    def finish(self, error: bool = False) -> None:
+        """The response ended (idempotent); ``error`` for a transport/upstream failure."""
+        self._meter.finish(
+            prompt_tokens=self._prompt,
+            completion_tokens=self._completion,
+            error=error or self._error,
+        )
+
+    def ended(self, data: Mapping[str, Any]) -> bool:
+        """Whether ``data`` completes the answer (a finish or an error)."""
+        choices = data.get("choices")
+        if not isinstance(choices, list):
+            return "error" in data
+        return any(isinstance(c, Mapping) and c.get("finish_reason") for c in choices)
+
+    def _usage(self, usage: object) -> None:
+        if not isinstance(usage, Mapping):
+            return
+        prompt = usage.get("prompt_tokens")
+        completion = usage.get("completion_tokens")
+        if _is_count(prompt):
+            self._prompt = prompt
+        if _is_count(completion):
+            self._completion = completion
+
+
+class AnthropicEventTap(OpenAIChunkTap):
+    """The same, for an upstream that speaks Anthropic's Messages API natively.
+
+    Each content delta counts one token until ``message_delta``'s cumulative usage
+    gives the exact count; ``input_tokens`` plus the cache reads is the prompt.
+    """
+
+    def chunk(self, data: Mapping[str, Any]) -> None:
+        kind = data.get("type")
+        if kind == "content_block_delta":
+            self._meter.tokens(1)
+        elif kind == "message_start":
+            message = data.get("message")
+            if isinstance(message, Mapping):
+                self._name(message.get("id"))
+                self._anthropic_usage(message.get("usage"))
+        elif kind == "message_delta":
+            self._anthropic_usage(data.get("usage"))
+        elif kind == "error":
+            self._error = True
+
+    def body(self, data: Mapping[str, Any]) -> None:
+        if data.get("type") == "error":
+            self._error = True
+            return
+        self._meter.first_token()
+        self._anthropic_usage(data.get("usage"))
+        if self._completion is not None:
+            self._meter.tokens(self._completion)
+
+    def ended(self, data: Mapping[str, Any]) -> bool:
+        return data.get("type") in ("message_stop", "error")
+
+    def _anthropic_usage(self, usage: object) -> None:
+        if not isinstance(usage, Mapping):
+            return
+        fresh = usage.get("input_tokens")
+        if _is_count(fresh):
+            prompt: int = fresh
+            for key in ("cache_read_input_tokens", "cache_creation_input_tokens"):
+                cached = usage.get(key)
+                if _is_count(cached):
+                    prompt += cached
+            self._prompt = prompt
+        output = usage.get("output_tokens")
+        if _is_count(output):
+            self._completion = output
+
+
+class ResponsesEventTap(OpenAIChunkTap):
+    """The same, for an upstream that serves OpenAI's Responses API natively: each text or
+    arguments delta counts one token until the terminal event's usage says."""
+
+    _TERMINAL = ("response.completed", "response.incomplete", "response.failed", "error")
+
+    def chunk(self, data: Mapping[str, Any]) -> None:
+        kind = data.get("type")
+        if kind in ("response.output_text.delta", "response.function_call_arguments.delta"):
+            self._meter.tokens(1)
+        elif kind == "response.created" and not self._named:
+            response = data.get("response")
+            self._name(response.get("id") if isinstance(response, Mapping) else None)
+        elif kind in ("response.failed", "error"):
+            self._error = True
+        if kind in self._TERMINAL:
+            self._response_usage(data.get("response"))
+
+    def body(self, data: Mapping[str, Any]) -> None:
+        if data.get("error"):
+            self._error = True
+            return
+        self._meter.first_token()
+        self._response_usage(data)
+        if self._completion is not None:
+            self._meter.tokens(self._completion)
+
+    def ended(self, data: Mapping[str, Any]) -> bool:
+        return data.get("type") in self._TERMINAL
+
+    def _response_usage(self, response: object) -> None:
+        usage = response.get("usage") if isinstance(response, Mapping) else None
+        if not isinstance(usage, Mapping):
+            return
+        if _is_count(usage.get("input_tokens")):
+            self._prompt = usage["input_tokens"]
+        if _is_count(usage.get("output_tokens")):
+            self._completion = usage["output_tokens"]
+
+
+def _carries_content(choice: object) -> bool:
+    if not isinstance(choice, Mapping):
+        return False
+    text = choice.get("text")  # /v1/completions
+    if isinstance(text, str) and text:
+        return True
+    delta = choice.get("delta")
+    if not isinstance(delta, Mapping):
+        return False
+    for key in ("content", "reasoning_content", "reasoning"):
+        value = delta.get(key)
+        if isinstance(value, str) and value:
+            return True
+    tool_calls = delta.get("tool_calls")
+    return isinstance(tool_calls, list) and bool(tool_calls)
+
+
+def _is_count(value: object) -> TypeGuard[int]:
+    # bool is an int subclass; a JSON true is not a count
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
