@@ -1,11 +1,13 @@
 """The chat page in a real headless Chromium, against ``sluice serve`` on the real
 models: it loads clean, streams an answer, stops one (the server's slot frees),
-keeps conversations (reload, open, rename, branch, delete), loads the second model
-with a progress bar, and asks for the API key once. Screenshots go to a folder the
-tests print."""
+keeps conversations (reload, open, rename, branch, delete), sends its settings (a
+system prompt where a conversation starts, sampling on every turn), loads the second
+model with a progress bar, and asks for the API key once. Screenshots go to a folder
+the tests print."""
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -225,6 +227,155 @@ def test_conversations_reload_open_rename_branch_delete(
     assert httpx.get(f"{url}/c1/conversations/{second}", timeout=10).status_code == 200
 
 
+SYSTEM = "You are a lighthouse keeper. Answer in one short sentence."
+OTHER_SYSTEM = "You are a pirate. Answer in one short sentence."
+
+
+def chat_bodies(page: Any) -> list[dict[str, Any]]:
+    """Every POST /c1/chat body the page sends from now on, as it sends them."""
+    bodies: list[dict[str, Any]] = []
+
+    def record(request: Any) -> None:
+        if urlsplit(request.url).path == "/c1/chat":
+            bodies.append(json.loads(request.post_data))
+
+    page.on("request", record)
+    return bodies
+
+
+def open_settings(page: Any) -> Any:
+    from playwright.sync_api import expect
+
+    page.get_by_role("button", name="Settings", exact=True).click()
+    dialog = page.get_by_role("dialog", name="Settings")
+    expect(dialog).to_be_visible()
+    return dialog
+
+
+def test_settings_go_with_every_turn_and_the_system_prompt_at_the_start(
+    page: tuple[Any, Seen], url: str, shots: Path
+) -> None:
+    from playwright.sync_api import expect
+
+    p, seen = page
+    bodies = chat_bodies(p)
+    dialog = open_settings(p)
+    expect(dialog).to_contain_text("Applies to new conversations")
+    dialog.get_by_label("System prompt").fill(SYSTEM)
+    dialog.get_by_label("Temperature").fill("0.3")
+    dialog.get_by_label("Max tokens").fill("8")
+    p.screenshot(path=shots / "settings.png")
+    dialog.get_by_role("button", name="Save").click()
+    expect(dialog).to_be_hidden()
+
+    send(p, "Tell me a long story about the sea.")
+    answered(p)
+    first = conversation_id(p)
+    stored = httpx.get(f"{url}/c1/conversations/{first}", timeout=10).json()
+    system, user, answer = stored["messages"]
+    assert (system["role"], system["content"], system["parent_id"]) == ("system", SYSTEM, None)
+    assert user["role"] == "user" and user["parent_id"] == system["id"]
+    assert answer["usage"]["completion_tokens"] <= 8, answer
+    assert answer["finish_reason"] in ("length", "stop"), answer
+    # Shown folded above the thread, not as a message of the user's.
+    folded = p.locator("details.system-prompt")
+    expect(folded).to_have_count(1)
+    expect(folded.locator("summary")).to_contain_text("System prompt")
+    expect(folded.locator("summary")).to_contain_text("lighthouse keeper")
+    expect(p.locator("article.user")).to_have_count(1)
+    expect(p.locator("article")).to_have_count(2)
+    p.screenshot(path=shots / "system-prompt.png")
+
+    # A reload keeps the settings (and the conversation).
+    p.reload()
+    expect(p.locator("details.system-prompt")).to_have_count(1)
+    dialog = open_settings(p)
+    expect(dialog.get_by_label("System prompt")).to_have_value(SYSTEM)
+    expect(dialog.get_by_label("Temperature")).to_have_value("0.3")
+    expect(dialog.get_by_label("Max tokens")).to_have_value("8")
+    expect(dialog.get_by_label("Top P")).to_have_value("")
+    dialog.get_by_role("button", name="Cancel").click()
+    expect(dialog).to_be_hidden()
+
+    # A continuing turn sends the sampling but no system prompt (the server would 400).
+    send(p, "And then?")
+    answered(p)
+    expect(p.get_by_role("alert")).to_be_hidden()
+    stored = httpx.get(f"{url}/c1/conversations/{first}", timeout=10).json()
+    roles = [m["role"] for m in stored["messages"]]
+    assert roles == ["system", "user", "assistant", "user", "assistant"]
+    assert stored["messages"][-1]["usage"]["completion_tokens"] <= 8
+    assert [b.get("system") for b in bodies] == [SYSTEM, None]
+    assert all(b["max_tokens"] == 8 and b["temperature"] == 0.3 for b in bodies), bodies
+    assert all("top_p" not in b for b in bodies)
+
+    # Editing the first message starts again from the root: a new system + user pair,
+    # with the settings' system prompt of now; the branches switch as one.
+    dialog = open_settings(p)
+    dialog.get_by_label("System prompt").fill(OTHER_SYSTEM)
+    dialog.get_by_role("button", name="Save").click()
+    p.locator("article.user").first.get_by_role("button", name="Edit").click()
+    expect(p.locator("#branch-note")).to_contain_text("first message")
+    send(p, "Tell me a short story about a ship.")
+    answered(p)
+    assert bodies[-1]["parent_id"] is None and bodies[-1]["system"] == OTHER_SYSTEM
+    stored = httpx.get(f"{url}/c1/conversations/{first}", timeout=10).json()
+    roots = [m for m in stored["messages"] if m["parent_id"] is None]
+    assert [(m["role"], m["content"]) for m in roots] == [
+        ("system", SYSTEM),
+        ("system", OTHER_SYSTEM),
+    ]
+    expect(p.locator("details.system-prompt summary")).to_contain_text("pirate")
+    expect(p.locator("article.user")).to_have_text(re.compile("ship"))
+    expect(p.locator("article.user .branches")).to_contain_text("2/2")
+    p.get_by_role("button", name="Previous branch").click()
+    expect(p.locator("details.system-prompt summary")).to_contain_text("lighthouse keeper")
+    expect(p.locator("article.user")).to_have_count(2)  # the first branch, both turns
+    expect(p.locator("article.user").first).to_contain_text("the sea")
+    expect(p.locator("article.user .branches").first).to_contain_text("1/2")
+    p.locator("details.system-prompt summary").click()  # unfolds to the whole prompt
+    expect(p.locator("details.system-prompt .content")).to_have_text(SYSTEM)
+    p.screenshot(path=shots / "system-branches.png")
+
+    # Sent from this branch, the turn continues it: no system prompt, no 400.
+    send(p, "What happened next?")
+    answered(p)
+    expect(p.get_by_role("alert")).to_be_hidden()
+    assert "system" not in bodies[-1]
+    assert seen.errors == [] and [m for m in seen.console if m[0] == "error"] == []
+
+
+def test_a_bad_setting_is_refused_by_the_form_and_by_the_server(
+    page: tuple[Any, Seen], shots: Path
+) -> None:
+    from playwright.sync_api import expect
+
+    p, _ = page
+    dialog = open_settings(p)
+    temperature = dialog.get_by_label("Temperature")
+    temperature.fill("5")
+    dialog.get_by_label("Top P").fill("0")
+    dialog.get_by_role("button", name="Save").click()
+    expect(dialog).to_be_visible()  # not saved
+    expect(dialog).to_contain_text("Temperature is a number from 0 to 2.")
+    expect(dialog).to_contain_text("Top P is a number above 0, up to 1.")
+    expect(temperature).to_have_attribute("aria-invalid", "true")
+    expect(temperature).to_be_focused()
+    p.screenshot(path=shots / "settings-invalid.png")
+    dialog.get_by_role("button", name="Cancel").click()
+    assert p.evaluate("localStorage.getItem('sluice.settings')") is None
+
+    # What gets past the form (set in another way) the server refuses: its words show,
+    # and the message goes back into the box.
+    p.evaluate("localStorage.setItem('sluice.settings', JSON.stringify({temperature: 5}))")
+    send(p, "Hello")
+    alert = p.get_by_role("alert")
+    expect(alert).to_contain_text("temperature", timeout=LONG)
+    expect(p.get_by_role("textbox", name="Message")).to_have_value("Hello")
+    expect(p.locator("article")).to_have_count(0)
+    p.screenshot(path=shots / "settings-refused.png")
+
+
 def test_picking_an_unloaded_model_loads_it_with_progress(
     page: tuple[Any, Seen], url: str, shots: Path
 ) -> None:
@@ -304,6 +455,11 @@ def test_a_narrow_window_and_dark_mode(browser: Any, url: str, shots: Path) -> N
     p, seen = open_page(browser, url, color_scheme="dark")
     try:
         p.set_viewport_size({"width": 390, "height": 760})
+        expect(p.get_by_role("button", name="New chat")).not_to_be_in_viewport()  # slid away
+        dialog = open_settings(p)
+        expect(dialog.get_by_role("button", name="Save")).to_be_in_viewport(ratio=1)
+        p.screenshot(path=shots / "narrow-settings.png")
+        dialog.get_by_role("button", name="Cancel").click()
         send(p, "Give me three tips for learning to cook, as a list.")
         answered(p)
         assert p.evaluate("document.documentElement.scrollWidth <= innerWidth")

@@ -1,11 +1,13 @@
-// The chat page: wires the model picker, the conversation list, the thread and the
-// composer to the server's API. A turn is POST /c1/chat, streamed; Stop aborts the
-// fetch, and the server stops generating and keeps the partial answer.
+// The chat page: wires the model picker, the conversation list, the thread, the
+// settings and the composer to the server's API. A turn is POST /c1/chat, streamed,
+// with the settings' sampling (and their system prompt where a conversation starts);
+// Stop aborts the fetch, and the server stops generating and keeps the partial answer.
 
 import { Api, ApiError, errorOf, events } from "/ui/api.js";
 import { Tree, renderList, titleFrom, titleOf } from "/ui/conversations.js";
 import { ModelPicker } from "/ui/models.js";
-import { StreamingAnswer, messageView, contentText } from "/ui/thread.js";
+import { Settings } from "/ui/settings.js";
+import { StreamingAnswer, messageView, contentText, systemView } from "/ui/thread.js";
 
 const $ = (id) => document.getElementById(id);
 const ui = Object.fromEntries(
@@ -15,7 +17,7 @@ const ui = Object.fromEntries(
     "rename-form", "title-input", "rename-cancel", "delete", "new-chat", "forget-key",
     "key-dialog", "key-form", "key-input", "key-note", "branch-note", "branch-cancel",
     "toggle-sidebar", "sidebar", "model", "load", "load-progress", "load-text", "empty-hint",
-    "thread", "more-conversations",
+    "thread", "more-conversations", "branch-text", "settings", "settings-dialog",
   ].map((id) => [id.replace(/-(\w)/g, (_, c) => c.toUpperCase()), $(id)]),
 );
 
@@ -24,7 +26,7 @@ const state = {
   conversation: null, // the open one, with its messages; null: a new conversation
   tree: null,
   head: null, // the last message shown (a branch's end)
-  branchFrom: undefined, // editing: the parent the next message goes under
+  branchFrom: undefined, // editing: the parent the next message goes under (null: a root)
   controller: null, // the turn streaming now
   metrics: new Map(), // message id -> the figures measured here
 };
@@ -75,6 +77,8 @@ const picker = new ModelPicker(
   { select: ui.model, box: ui.load, bar: ui.loadProgress, label: ui.loadText },
   showError,
 );
+
+const settings = new Settings(ui.settings, ui.settingsDialog);
 
 // -- the conversations -----------------------------------------------------------------
 
@@ -153,7 +157,7 @@ function renderThread() {
   const branching = Boolean(state.conversation && "head_id" in state.conversation);
   ui.messages.replaceChildren(
     ...path.map((message) => {
-      const siblings = tree.siblings(message);
+      const siblings = tree.alternatives(message);
       const index = siblings.indexOf(message);
       return messageView(message, {
         metrics: state.metrics.get(message.id),
@@ -227,7 +231,13 @@ ui.delete.addEventListener("click", async () => {
 });
 
 function startEdit(message) {
-  state.branchFrom = message.parent_id ?? null;
+  const opening = state.tree.isOpening(message);
+  // The first message: a new root, with the system prompt of the settings now.
+  state.branchFrom = opening ? null : (message.parent_id ?? null);
+  const system = settings.systemPrompt ? "the system prompt in Settings" : "no system prompt";
+  ui.branchText.textContent = opening
+    ? `Editing the first message: the answer starts a new branch, with ${system}.`
+    : "Editing an earlier message: the answer starts a new branch.";
   ui.message.value = contentText(message.content);
   ui.branchNote.hidden = false;
   ui.message.focus();
@@ -266,19 +276,29 @@ async function send() {
   const text = ui.message.value;
   if (!text.trim() || state.controller) return;
   hideError();
-  const body = { message: text, stream: true, stream_options: { include_usage: true } };
+  const body = {
+    message: text,
+    stream: true,
+    stream_options: { include_usage: true },
+    ...settings.sampling(),
+  };
   if (picker.value) body.model = picker.value;
   const c = state.conversation;
   if (c) body.conversation_id = c.id;
+  const before = { head: state.head, branchFrom: state.branchFrom };
   const parent = nextParent();
   if (parent !== undefined) {
     body.parent_id = parent;
     state.head = parent; // the thread up to where the new branch starts
     renderThread();
   }
+  // A system prompt only where a conversation starts (the server refuses it elsewhere).
+  const system = !c || parent === null ? settings.systemPrompt : "";
+  if (system) body.system = system;
   endEdit();
   const mine = messageView({ role: "user", content: text });
   const answer = new StreamingAnswer(picker.value);
+  if (system) ui.messages.append(systemView({ content: system }));
   ui.messages.append(mine, answer.article);
   ui.emptyHint.hidden = true;
   ui.message.value = "";
@@ -329,11 +349,12 @@ async function send() {
   const metrics = figures(sent, first, last, usage);
   answer.finish(status, metrics, error);
   if (!started) {
-    // Nothing was stored: the message goes back to the box, to send again.
-    mine.remove();
-    answer.article.remove();
+    // Nothing was stored: the thread (and an edit) are as they were, and the message
+    // goes back to the box, to send again.
+    Object.assign(state, before);
+    ui.branchNote.hidden = state.branchFrom === undefined;
+    renderThread();
     ui.message.value = text;
-    ui.emptyHint.hidden = ui.messages.childElementCount > 0;
     return;
   }
   try {

@@ -1,5 +1,6 @@
 // Conversations kept on the server (/c1): the side list, and a conversation's
-// messages as a tree (each names its parent) shown as one path, root to head.
+// messages as a tree (each names its parent) shown as one path, root to head. A
+// root may be a system prompt, with the first user message under it.
 
 /** The messages of one conversation as a tree. */
 export class Tree {
@@ -23,6 +24,26 @@ export class Tree {
   /** `message` and its siblings (the other answers to its parent), oldest first. */
   siblings(message) {
     return this.children.get(message.parent_id ?? "") ?? [message];
+  }
+
+  /** Whether `message` is a conversation's first user message: a root, or under a
+   * root system prompt. Editing it starts a new root (a new system + user pair). */
+  isOpening(message) {
+    if (message.role !== "user") return false;
+    const parent = this.byId.get(message.parent_id);
+    return !parent || (parent.role === "system" && !parent.parent_id);
+  }
+
+  /** The versions of a message to switch between, oldest first: its siblings, or,
+   * for a first user message, every first user message (each root's, whether the
+   * root is that message or a system prompt above it). */
+  alternatives(message) {
+    if (!this.isOpening(message)) return this.siblings(message);
+    return (this.children.get("") ?? []).flatMap((root) =>
+      root.role === "system"
+        ? (this.children.get(root.id) ?? []).filter((m) => m.role === "user")
+        : [root],
+    );
   }
 
   /** The newest leaf under `id`: where a branch picked by its first message leads. */

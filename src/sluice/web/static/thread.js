@@ -37,13 +37,26 @@ function toolCallView(call) {
   return box;
 }
 
-/** One message's <article>. `options`: {metrics, branches: {index, count, onSwitch}, onEdit}. */
+/** A system prompt: one folded line ("System prompt" and its start), opened to read. */
+export function systemView(message) {
+  const text = contentText(message.content);
+  const box = el("details", "system-prompt");
+  box.dataset.id = message.id ?? "";
+  const summary = el("summary");
+  summary.append(el("span", "role", "System prompt"), el("span", "preview", text));
+  box.append(summary, el("div", "content plain", text));
+  return box;
+}
+
+/** One message's <article> (a system prompt's folded line). `options`: {metrics,
+ * branches: {index, count, onSwitch}, onEdit}. */
 export function messageView(message, options = {}) {
   const role = message.role;
+  if (role === "system") return systemView(message);
   const article = el("article", `msg ${role}`);
   article.dataset.id = message.id ?? "";
   const head = el("div", "msg-head");
-  const who = { user: "You", assistant: "Assistant", tool: "Tool result", system: "System" };
+  const who = { user: "You", assistant: "Assistant", tool: "Tool result" };
   head.append(el("span", "role", who[role] ?? role));
   if (role === "tool" && message.name) head.append(el("span", "muted", message.name));
   if (role === "assistant" && message.model) head.append(el("span", "muted", message.model));
