@@ -23,7 +23,8 @@ from sluice.store.models import (
     UnknownConversation,
 )
 from sluice.store.repository import ConversationStore
-from sluice.store.sqlite import MIGRATIONS, SQLiteStore
+from sluice.store.schema import MIGRATIONS
+from sluice.store.sqlite import SQLiteStore
 
 __all__ = [
     "MIGRATIONS",
