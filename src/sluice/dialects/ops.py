@@ -17,8 +17,8 @@ from starlette.responses import Response
 from sluice.core.model import ModelSpec
 from sluice.core.request import SamplerDefaults
 from sluice.local.model import LocalModel
+from sluice.models.entries import ModelStatus
 from sluice.models.files import ModelFile, read_all_model_files, reasoning_capability
-from sluice.models.registry import ModelStatus
 from sluice.server.sse import dumps, json_response
 from sluice.server.state import ServerState, server_state
 from sluice.upstream.backend import UpstreamSlot, upstream_context

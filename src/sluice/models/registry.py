@@ -35,10 +35,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, TypeVar
 
-from sluice.core.backend import Backend, LoadOptions, MemoryRoom, Progress
+from sluice.core.backend import LoadOptions, Progress
 from sluice.core.errors import (
     ModelLoadFailed,
     ModelNotFound,
@@ -48,218 +47,25 @@ from sluice.core.errors import (
 )
 from sluice.core.model import ModelSpec
 from sluice.local.offload import post_to_loop, run_in_thread
+from sluice.models.entries import (
+    Entry,
+    Estimator,
+    Instance,
+    Lease,
+    Load,
+    LoadedModel,
+    Loader,
+    LoadResult,
+    ModelStatus,
+    close_quietly,
+    describe_options,
+    effective_options,
+)
 from sluice.models.memory import RETRY_AFTER, mem_available, plan_room
 
 log = logging.getLogger("sluice.registry")
 
 T = TypeVar("T")
-
-State = Literal["not_loaded", "loading", "loaded", "unloading"]
-
-
-class LoadedModel(Backend, Protocol):
-    """What a loader returns: a backend the registry can close."""
-
-    def close(self) -> None:
-        """Blocking: end in-flight requests (a ``ModelUnloaded`` frame) and free the memory."""
-
-    def load_config(self) -> dict[str, Any]:
-        """The effective configuration for listings, e.g. ``{"context_length": 4096}``."""
-
-    def extra_bytes(self) -> int:
-        """Memory it holds now beyond its load's estimate: the RAM prompt cache's
-        states, an embedding context made since."""
-
-    def reclaim(self, nbytes: int) -> int:
-        """Free up to ``nbytes`` it holds without unloading (its prompt cache's least
-        recently used states), from any thread; the bytes freed."""
-
-    def reclaimable_bytes(self) -> int:
-        """What :meth:`reclaim` could free now."""
-
-    def bind_memory(self, room: MemoryRoom) -> None:
-        """From now on, keep what it takes after the load within ``room``."""
-
-
-# Both get the options with the spec's values filled in (None: the server's setting).
-# A loader blocks, and calls progress(0..1) from its own thread.
-Loader = Callable[[ModelSpec, LoadOptions, Progress], LoadedModel]
-Estimator = Callable[[ModelSpec, LoadOptions], int]  # the bytes a load needs
-
-
-@dataclass(frozen=True, slots=True)
-class ModelStatus:
-    name: str
-    state: State
-    in_use: int  # open leases
-    last_used: float | None  # wall-clock time (time.time()) of the last acquire or release
-    load_seconds: float | None
-    estimate_bytes: int | None  # known once the model was sized (loaded, or a load tried)
-    load_config: dict[str, Any] | None
-    loads: int = 0  # loads completed since the server started
-    ttl: float | None = None  # a loaded model's idle TTL in seconds (0: never unloads)
-
-
-@dataclass(frozen=True, slots=True)
-class LoadResult:
-    spec: ModelSpec
-    loaded_now: bool  # this call started or joined the load
-    seconds: float  # how long the load took; 0.0 if the model was already loaded
-
-
-def _effective(spec: ModelSpec, options: LoadOptions | None) -> LoadOptions:
-    """Options with the spec's values filled in, so equal configurations compare equal."""
-    options = options or LoadOptions()
-    return LoadOptions(
-        ctx=options.ctx if options.ctx is not None else spec.ctx,
-        parallel=options.parallel if options.parallel is not None else spec.parallel,
-    )
-
-
-def _describe(options: LoadOptions) -> str:
-    ctx = options.ctx if options.ctx is not None else "default"
-    parallel = options.parallel if options.parallel is not None else "default"
-    return f"context_length={ctx}, parallel={parallel}"
-
-
-def _close_quietly(model: LoadedModel) -> None:
-    try:
-        model.close()
-    except Exception:
-        log.exception("closing an abandoned model failed")
-
-
-@dataclass(slots=True, eq=False)
-class _Instance:
-    """One loaded copy of a model. Leases point here, so a release after an unload is harmless."""
-
-    spec: ModelSpec
-    model: LoadedModel
-    options: LoadOptions
-    estimate: int
-    load_seconds: float
-    leases: int = 0
-    ttl: float | None = None  # set by acquire(ttl=...); None: the spec's, else the registry's
-    # Set by an explicit load(ttl=...) (0: stays loaded): a request's ttl does not change it.
-    ttl_pinned: bool = False
-    last_used: float = field(default_factory=time.monotonic)
-    last_used_wall: float = field(default_factory=time.time)
-
-    def touch(self) -> None:
-        self.last_used = time.monotonic()
-        self.last_used_wall = time.time()
-
-
-@dataclass(slots=True, eq=False)
-class _Load:
-    """A load in flight: the one task every waiter awaits, and their progress callbacks."""
-
-    spec: ModelSpec
-    options: LoadOptions
-    estimate: int
-    subscribers: list[Progress] = field(default_factory=list)
-    last: float = -1.0
-    task: asyncio.Task[_Instance] | None = None
-
-    def deliver(self, value: float) -> None:
-        """On the loop: pass a new high-water mark to every subscriber."""
-        value = min(max(float(value), 0.0), 1.0)
-        if value <= self.last:
-            return
-        self.last = value
-        for callback in list(self.subscribers):
-            try:
-                callback(value)
-            except Exception:  # one broken subscriber must not starve the others
-                log.exception("a load progress callback failed")
-
-
-@dataclass(slots=True, eq=False)
-class _Entry:
-    """Everything the registry knows about one model name."""
-
-    spec: ModelSpec
-    instance: _Instance | None = None
-    loading: _Load | None = None
-    unloading: asyncio.Task[None] | None = None
-    # Waiters between a load's end and taking their lease: the fresh model is
-    # not idle for them, so neither LRU nor TTL may take it away.
-    pending: int = 0
-    loads: int = 0  # loads completed since the server started
-
-    def state(self) -> State:
-        if self.loading is not None:
-            return "loading"
-        if self.unloading is not None:
-            return "unloading"
-        return "loaded" if self.instance is not None else "not_loaded"
-
-    def idle(self) -> bool:
-        return (
-            self.instance is not None
-            and self.instance.leases == 0
-            and self.pending == 0
-            and self.loading is None
-        )
-
-    def holds(self) -> bool:
-        return self.instance is not None or self.loading is not None
-
-    def last_used(self) -> float:
-        return self.instance.last_used if self.instance is not None else 0.0
-
-    def held(self) -> int:
-        """Bytes this model holds or is about to hold: its load's estimate, and what it
-        took since (prompt cache, embedding context), so the guard counts both."""
-        # Read once each: other threads ask (the engines' prompt caches, through
-        # _SharedBudget) while the loop may be clearing them.
-        loading, instance = self.loading, self.instance
-        if loading is not None:
-            return loading.estimate
-        if instance is None:
-            return 0
-        return instance.estimate + instance.model.extra_bytes()
-
-    def activity(self) -> str:
-        if self.loading is not None:
-            return "loading"
-        n = (self.instance.leases if self.instance else 0) + self.pending
-        return f"{n} request{'s' if n != 1 else ''} in flight"
-
-
-class Lease:
-    """A request's hold on a loaded model: while open, neither TTL nor LRU unloads the model.
-
-    An explicit unload still closes it (its in-flight requests end with an error
-    frame); releasing afterwards is harmless. Release on the event loop.
-    """
-
-    __slots__ = ("_instance", "_on_release", "_released", "load_seconds", "loaded_now")
-
-    def __init__(
-        self, instance: _Instance, loaded_now: bool, on_release: Callable[[], None]
-    ) -> None:
-        self._instance = instance
-        self._on_release = on_release
-        self._released = False
-        self.loaded_now = loaded_now  # this acquire started or joined a load
-        self.load_seconds = instance.load_seconds if loaded_now else None
-
-    @property
-    def spec(self) -> ModelSpec:
-        return self._instance.spec
-
-    @property
-    def model(self) -> LoadedModel:
-        return self._instance.model
-
-    def release(self) -> None:
-        if self._released:
-            return
-        self._released = True
-        self._instance.leases -= 1
-        self._instance.touch()
-        self._on_release()
 
 
 class ModelRegistry:
@@ -293,7 +99,7 @@ class ModelRegistry:
         self._available = available_memory
         self._specs: list[ModelSpec] = []
         self._index: dict[str, ModelSpec] = {}
-        self._entries: dict[str, _Entry] = {}
+        self._entries: dict[str, Entry] = {}
         self._estimates: dict[tuple[ModelSpec, LoadOptions], int] = {}
         self._wake = asyncio.Event()  # something changed that may move a TTL deadline
         self._reaper: asyncio.Task[None] | None = None
@@ -351,10 +157,10 @@ class ModelRegistry:
             raise ModelNotFound(name)
         return spec
 
-    def _entry(self, spec: ModelSpec) -> _Entry:
+    def _entry(self, spec: ModelSpec) -> Entry:
         entry = self._entries.get(spec.name.lower())
         if entry is None:
-            entry = self._entries[spec.name.lower()] = _Entry(spec)
+            entry = self._entries[spec.name.lower()] = Entry(spec)
         elif entry.instance is None and entry.loading is None:
             entry.spec = spec  # the config may have changed since the last load
         return entry
@@ -404,7 +210,7 @@ class ModelRegistry:
         pin: bool,
     ) -> Lease:
         entry = self._entry(spec)
-        wanted = None if options is None else _effective(spec, options)
+        wanted = None if options is None else effective_options(spec, options)
         joined = False
         # Every await below lets the state move on, so each turn looks again.
         while True:
@@ -429,16 +235,16 @@ class ModelRegistry:
                 if not entry.idle():
                     raise ServerBusy(
                         f"Model '{spec.name}' is in use with other load options "
-                        f"({_describe(instance.options)}); it can reload with "
-                        f"{_describe(wanted)} once idle.",
+                        f"({describe_options(instance.options)}); it can reload with "
+                        f"{describe_options(wanted)} once idle.",
                         retry_after=RETRY_AFTER,
                     )
                 self._unload(entry)
             else:
-                fresh = wanted if wanted is not None else _effective(spec, None)
+                fresh = wanted if wanted is not None else effective_options(spec, None)
                 await self._begin_load(entry, spec, fresh)
 
-    async def _join(self, entry: _Entry, load: _Load, progress: Progress | None) -> _Instance:
+    async def _join(self, entry: Entry, load: Load, progress: Progress | None) -> Instance:
         assert load.task is not None
         entry.pending += 1
         if progress is not None:
@@ -451,7 +257,7 @@ class ModelRegistry:
             if progress is not None:
                 load.subscribers.remove(progress)
 
-    def _lease(self, instance: _Instance, loaded_now: bool, ttl: float | None, pin: bool) -> Lease:
+    def _lease(self, instance: Instance, loaded_now: bool, ttl: float | None, pin: bool) -> Lease:
         instance.leases += 1
         instance.touch()
         if ttl is not None and (pin or not instance.ttl_pinned):
@@ -465,7 +271,7 @@ class ModelRegistry:
 
     # -- loading ---------------------------------------------------------------
 
-    async def _begin_load(self, entry: _Entry, spec: ModelSpec, options: LoadOptions) -> None:
+    async def _begin_load(self, entry: Entry, spec: ModelSpec, options: LoadOptions) -> None:
         need = await self._estimate(spec, options)
         if self._closed or entry.state() != "not_loaded":
             return  # the state moved on while sizing: the caller looks again
@@ -481,7 +287,7 @@ class ModelRegistry:
             self._unload(victim)
         # Wait for every unload in progress, not only ours: their memory is not free yet.
         unloads = [e.unloading for e in self._entries.values() if e.unloading is not None]
-        load = _Load(spec, options, need)
+        load = Load(spec, options, need)
         entry.loading = load
         self._room.pending = 0
         load.task = asyncio.create_task(self._load(entry, load, unloads), name=f"load {spec.name}")
@@ -504,7 +310,7 @@ class ModelRegistry:
             self._estimates[key] = need
         return need
 
-    def _make_room(self, spec: ModelSpec, need: int) -> list[_Entry]:
+    def _make_room(self, spec: ModelSpec, need: int) -> list[Entry]:
         """The idle models to unload so ``need`` fits; raises if it cannot fit now.
 
         Saved prompt states go first: they are a cache, cheaper to lose than a
@@ -528,9 +334,7 @@ class ModelRegistry:
             available=self._available(),
         )
 
-    async def _load(
-        self, entry: _Entry, load: _Load, unloads: list[asyncio.Task[None]]
-    ) -> _Instance:
+    async def _load(self, entry: Entry, load: Load, unloads: list[asyncio.Task[None]]) -> Instance:
         spec = load.spec
         loop = asyncio.get_running_loop()
 
@@ -544,7 +348,7 @@ class ModelRegistry:
             model = await run_in_thread(
                 lambda: self._loader(spec, load.options, progress),
                 f"sluice-load-{spec.name}",
-                abandon=_close_quietly,
+                abandon=close_quietly,
             )
             seconds = time.monotonic() - started
         except BaseException as exc:
@@ -554,7 +358,7 @@ class ModelRegistry:
             raise ModelLoadFailed(f"Could not load model '{spec.name}': {exc}") from exc
         # Every progress call was posted before the result, so this comes last.
         load.deliver(1.0)
-        instance = _Instance(spec, model, load.options, load.estimate, seconds)
+        instance = Instance(spec, model, load.options, load.estimate, seconds)
         model.bind_memory(self._room)
         entry.instance = instance
         entry.loading = None
@@ -578,7 +382,7 @@ class ModelRegistry:
             raise ModelNotFound(name)
         await asyncio.wait({self._unload(entry)})
 
-    def _unload(self, entry: _Entry) -> asyncio.Task[None]:
+    def _unload(self, entry: Entry) -> asyncio.Task[None]:
         instance = entry.instance
         assert instance is not None
         entry.instance = None
@@ -634,7 +438,7 @@ class ModelRegistry:
                 next_due = left if next_due is None else min(next_due, left)
         return next_due
 
-    def _ttl_of(self, instance: _Instance) -> float:
+    def _ttl_of(self, instance: Instance) -> float:
         if instance.ttl is not None:
             return instance.ttl
         return instance.spec.ttl if instance.spec.ttl is not None else self._ttl
@@ -663,7 +467,7 @@ class ModelRegistry:
             estimate_bytes=(
                 estimate
                 if estimate is not None
-                else self._estimates.get((spec, _effective(spec, None)))
+                else self._estimates.get((spec, effective_options(spec, None)))
             ),
             load_config=instance.model.load_config() if instance is not None else None,
             loads=entry.loads if entry is not None else 0,
@@ -737,7 +541,7 @@ class _SharedBudget:
         return sorted((i for i in instances if i), key=lambda i: i.last_used)
 
 
-def _in_flight(entries: Iterable[_Entry]) -> Iterable[asyncio.Task[Any]]:
+def _in_flight(entries: Iterable[Entry]) -> Iterable[asyncio.Task[Any]]:
     for entry in entries:
         if entry.loading is not None and entry.loading.task is not None:
             yield entry.loading.task

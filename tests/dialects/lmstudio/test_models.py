@@ -30,8 +30,8 @@ from sluice.dialects.lmstudio.schema import (
     parse,
 )
 from sluice.models.catalog import ModelSpec
+from sluice.models.entries import ModelStatus
 from sluice.models.files import reasoning_capability
-from sluice.models.registry import ModelStatus
 
 SMOLLM2 = ModelSpec("smollm2-135m-instruct", "smollm2", "packaged", aliases=("smollm2",))
 THINKING = (

@@ -58,13 +58,13 @@ from sluice.dialects.lmstudio.schema import (
     UnloadModelRequest,
     parse,
 )
+from sluice.models.entries import LoadResult, ModelStatus
 from sluice.models.files import (
     ModelFile,
     read_all_model_files,
     read_model_file,
     reasoning_capability,
 )
-from sluice.models.registry import LoadResult, ModelStatus
 from sluice.server.body import read_body
 from sluice.server.jsonbody import parse_json_body
 from sluice.server.respond import errors_as

@@ -25,8 +25,8 @@ from sluice.dialects.openai.format import (
 from sluice.dialects.openai.schema import ChatCompletionRequest, CompletionRequest
 from sluice.local.model import LocalModel
 from sluice.models.dispatch import UpstreamTarget
+from sluice.models.entries import ModelStatus
 from sluice.models.flights import identify
-from sluice.models.registry import ModelStatus
 from sluice.server.body import read_request_body
 from sluice.server.jsonbody import (
     BodyLimits,
