@@ -44,9 +44,10 @@ from harness.raw import RawWorker
 def engine_profile(args: argparse.Namespace) -> None:
     from sluice.core.events import Finish
     from sluice.core.request import SamplingParams
-    from sluice.engine.engine import Engine, EngineConfig
+    from sluice.engine.engine import Engine
     from sluice.engine.llama_runner import LlamaRunner, LlamaRunnerConfig
     from sluice.engine.types import EngineRequest
+    from sluice.engine.work import EngineConfig
 
     runner = LlamaRunner.load(
         LlamaRunnerConfig(

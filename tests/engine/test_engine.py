@@ -14,8 +14,9 @@ import pytest
 from openai import OpenAI
 
 from sluice.core.events import Finish
-from sluice.engine.engine import _GATHER_SECONDS, Engine, EngineConfig
+from sluice.engine.engine import _GATHER_SECONDS, Engine
 from sluice.engine.types import EngineRequest
+from sluice.engine.work import EngineConfig
 from tests.support.fakes import EOS, FakeSampler, ScriptedRunner, chat_prompt
 from tests.support.helpers import (
     CHAT,

@@ -27,7 +27,6 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from sluice.core.errors import (
     ContextOverflow,
@@ -48,112 +47,29 @@ from sluice.core.events import (
     Usage,
 )
 from sluice.engine.prompt_cache import (
-    MIN_TOKENS,
     RESTORE_RATIO,
     CacheEntry,
     PromptCache,
     common_prefix,
 )
-from sluice.engine.runner import BatchEntry, DecodeError, ModelRunner, Sampler
+from sluice.engine.runner import BatchEntry, DecodeError, ModelRunner
 from sluice.engine.scheduler import Planned, PrefillPacer, SlotView, deferred, plan_batch
-from sluice.engine.text import Ready, SequenceText, Utf8Assembler
+from sluice.engine.text import Ready, SequenceText
 from sluice.engine.types import EngineRequest, EventSink, SlotState
+from sluice.engine.work import (
+    WAKE,
+    Abort,
+    Add,
+    EngineConfig,
+    EngineStats,
+    Slot,
+    Stop,
+    Wake,
+    Work,
+)
 
 log = logging.getLogger("sluice.engine")
 
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    n_parallel: int = 4
-    max_queue: int = 16
-    # While other sequences are generating, a long prompt's prefill gets this many
-    # times the time they use (measured: see PrefillPacer), in chunks of about
-    # prefill_chunk_seconds, so they run at about 1 / (1 + prefill_budget) of
-    # their speed while it lasts. Prompts that fit in one batch are prefilled
-    # whole, at once, ahead of it.
-    prefill_budget: float = 0.5
-    prefill_chunk_seconds: float = 0.5
-    # Engine steps of output a response may have delivered but not yet consumed
-    # (a client that is not reading); past it, its sequences are not decoded
-    # until the consumer has taken half of it.
-    stream_buffer: int = 256
-    # RAM for the KV states of prompts whose slot was taken (see prompt_cache);
-    # 0 turns the prompt cache off.
-    cache_ram_bytes: int = 0
-    cache_min_tokens: int = MIN_TOKENS  # shorter sequences are not saved
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    """A snapshot published by the engine thread after every step."""
-
-    slots: int
-    active: int
-    idle: int
-    queued: int
-    prefilling: int
-    generating: int
-    steps: int
-    tokens_generated: int
-    prompt_tokens_processed: int
-    cached_tokens: int
-    paused: int = 0  # sequences in slots waiting for their client to read (backpressure)
-    prompt_cache_entries: int = 0  # saved prompt states in RAM
-    prompt_cache_bytes: int = 0
-    prompt_cache_hits: int = 0  # entries restored into a slot
-
-
-@dataclass(slots=True)
-class _Work:
-    """One sequence's lifetime in the engine, queued or in a slot."""
-
-    req: EngineRequest
-    sink: EventSink
-    sampler: Sampler
-    key: int
-    text: SequenceText
-    submitted: float
-    admitted_order: int = 0
-    prompt_done: int = 0  # prompt tokens already in the KV cache
-    cached: int = 0  # of those, reused from an earlier request
-    generated: int = 0
-    next_token: int | None = None  # sampled, still to be decoded
-    t_admit: float = 0.0
-    t_first: float = 0.0
-    echo_utf8: Utf8Assembler = field(default_factory=Utf8Assembler)
-    paused: bool = False  # its sink's backlog went over the bound; left out of batches
-
-
-@dataclass(slots=True)
-class _Slot:
-    seq: int
-    state: SlotState = SlotState.IDLE
-    cache: list[int] = field(default_factory=list)  # tokens whose KV is cached
-    work: _Work | None = None
-    unsaved: bool = False  # idle, holding what a request left: see Engine._save_idle
-
-
-@dataclass(frozen=True, slots=True)
-class _Add:
-    works: list[_Work]
-
-
-@dataclass(frozen=True, slots=True)
-class _Abort:
-    keys: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class _Stop:
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class _Wake:
-    """A paused request's consumer caught up: only ends a wait for commands."""
-
-
-_WAKE = _Wake()
 
 # When every active sequence is paused, the engine waits for a command or a
 # consumer's wake-up; this bounds the wait in case a sink never wakes it.
@@ -192,7 +108,7 @@ class Arrival:
             engine._arriving -= 1
             last = engine._arriving == 0
         if last:  # ends a gather at once (otherwise a no-op command)
-            engine._commands.put(_WAKE)
+            engine._commands.put(WAKE)
 
 
 class EngineHandle:
@@ -211,9 +127,9 @@ class Engine:
         self.runner = runner
         self.config = config
         n_slots = min(config.n_parallel, runner.n_seq_max)
-        self._slots = [_Slot(seq) for seq in range(n_slots)]
-        self._commands: queue.SimpleQueue[_Add | _Abort | _Stop | _Wake] = queue.SimpleQueue()
-        self._waiting: deque[_Work] = deque()
+        self._slots = [Slot(seq) for seq in range(n_slots)]
+        self._commands: queue.SimpleQueue[Add | Abort | Stop | Wake] = queue.SimpleQueue()
+        self._waiting: deque[Work] = deque()
         self._keys = itertools.count(1)
         self._admissions = itertools.count()
         self._capacity_lock = threading.Lock()
@@ -261,7 +177,7 @@ class Engine:
             if error is not None:
                 self._stop_error = error
             self._stopping = True
-            self._commands.put(_Stop())
+            self._commands.put(Stop())
 
     def stop(self, timeout: float = 10.0, error: SluiceError | None = None) -> None:
         """:meth:`begin_shutdown`, then wait for the engine thread to end."""
@@ -300,13 +216,13 @@ class Engine:
                     "are taken; retry shortly.",
                 )
             self._in_flight += len(requests)
-        works: list[_Work] = []
+        works: list[Work] = []
         try:
             now = time.monotonic()
             for req in requests:
                 sampler = self.runner.new_sampler(req.sampling, req.prompt_tokens)
                 works.append(
-                    _Work(
+                    Work(
                         req,
                         sink,
                         sampler,
@@ -320,7 +236,7 @@ class Engine:
                 self.runner.free_sampler(work.sampler)
             self._release_capacity(len(requests))
             raise
-        self._commands.put(_Add(works))
+        self._commands.put(Add(works))
         if self._finished:  # lost a race with shutdown: nobody will run these
             self._fail_leftovers(self._stop_error)
         return EngineHandle(tuple(w.key for w in works))
@@ -339,13 +255,13 @@ class Engine:
 
     def abort(self, handle: EngineHandle) -> None:
         """Drop these sequences wherever they are; their slots free in one step."""
-        self._commands.put(_Abort(handle.keys))
+        self._commands.put(Abort(handle.keys))
 
     # -- engine thread --------------------------------------------------------
 
     def _wake(self) -> None:
         """Any thread: a paused request's consumer caught up; plan again now."""
-        self._commands.put(_WAKE)
+        self._commands.put(WAKE)
 
     def _run(self) -> None:
         try:
@@ -392,11 +308,11 @@ class Engine:
         except queue.Empty:
             return True
         while True:
-            if isinstance(cmd, _Stop):
+            if isinstance(cmd, Stop):
                 return False
-            if isinstance(cmd, _Add):
+            if isinstance(cmd, Add):
                 self._waiting.extend(cmd.works)
-            elif isinstance(cmd, _Abort):
+            elif isinstance(cmd, Abort):
                 self._abort_keys(set(cmd.keys))
             try:
                 cmd = self._commands.get_nowait()
@@ -504,7 +420,7 @@ class Engine:
                     return True
         return False
 
-    def _save(self, slot: _Slot) -> bool:
+    def _save(self, slot: Slot) -> bool:
         """Keep an idle slot's KV state in the prompt cache before it is overwritten.
 
         False when the cache does not want it (too short, or held already).
@@ -525,7 +441,7 @@ class Engine:
             )
         return True
 
-    def _restore(self, slot: _Slot, entry: CacheEntry) -> int:
+    def _restore(self, slot: Slot, entry: CacheEntry) -> int:
         """Load a prompt cache entry into a slot's sequence; how many tokens it now holds."""
         started = time.perf_counter()
         loaded = self.runner.load_seq(slot.seq, entry.state)
@@ -636,7 +552,7 @@ class Engine:
         pacer.observe(time.perf_counter() - started, n_decoded, n_long, n_short, waited)
         return True
 
-    def _held(self, work: _Work) -> bool:
+    def _held(self, work: Work) -> bool:
         """Backpressure: whether ``work`` sits out this step because its client is behind.
 
         Paused past ``stream_buffer`` undelivered steps, resumed at half of it,
@@ -680,7 +596,7 @@ class Engine:
 
     def _after_decode(
         self,
-        slot: _Slot,
+        slot: Slot,
         p: Planned,
         entry: BatchEntry,
         row: int,
@@ -705,7 +621,7 @@ class Engine:
             work.t_first = time.monotonic()
         self._sample(slot, work, row, events)
 
-    def _sample(self, slot: _Slot, work: _Work, row: int, events: list[Event]) -> None:
+    def _sample(self, slot: Slot, work: Work, row: int, events: list[Event]) -> None:
         runner = self.runner
         req = work.req
         token = runner.sample(work.sampler, row)
@@ -734,13 +650,13 @@ class Engine:
         events.append(Finish(req.choice, reason, self._usage(work), stop_hit))
         self._free_slot(slot)
 
-    def _emit_text(self, work: _Work, ready: Ready | None, events: list[Event]) -> None:
+    def _emit_text(self, work: Work, ready: Ready | None, events: list[Event]) -> None:
         if ready is None:
             return
         lps = tuple(ready.logprobs) if ready.logprobs is not None else None
         events.append(TextDelta(work.req.choice, ready.text, ready.tokens, lps))
 
-    def _echo_logprobs(self, work: _Work, entry: BatchEntry, first_row: int) -> TextDelta:
+    def _echo_logprobs(self, work: Work, entry: BatchEntry, first_row: int) -> TextDelta:
         """Prompt tokens with their logprobs (text completions with echo + logprobs).
 
         Row i of a chunk predicts the prompt token after it, so a chunk at
@@ -763,7 +679,7 @@ class Engine:
         text = work.echo_utf8.feed(b"".join(runner.token_bytes(lp.token_id) for lp in lps))
         return TextDelta(work.req.choice, text, 0, tuple(lps), echo=True)
 
-    def _usage(self, work: _Work) -> Usage:
+    def _usage(self, work: Work) -> Usage:
         now = time.monotonic()
         return Usage(
             work.req.choice,
@@ -774,7 +690,7 @@ class Engine:
             generation_ms=(now - work.t_first) * 1000 if work.t_first else 0.0,
         )
 
-    def _free_slot(self, slot: _Slot) -> None:
+    def _free_slot(self, slot: Slot) -> None:
         work = slot.work
         slot.work = None
         slot.state = SlotState.IDLE
@@ -785,7 +701,7 @@ class Engine:
                 self._paused -= 1
             self._retire(work)
 
-    def _retire(self, work: _Work) -> None:
+    def _retire(self, work: Work) -> None:
         self.runner.free_sampler(work.sampler)
         self._release_capacity(1)
 
@@ -793,7 +709,7 @@ class Engine:
         with self._capacity_lock:
             self._in_flight -= n
 
-    def _fail_slot(self, slot: _Slot, error: Exception) -> None:
+    def _fail_slot(self, slot: Slot, error: Exception) -> None:
         work = slot.work
         if work is None:
             return
@@ -818,7 +734,7 @@ class Engine:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(cmd, _Add):
+            if isinstance(cmd, Add):
                 for work in cmd.works:
                     _deliver(work.sink, [ErrorEvent(error)])
                     self._retire(work)
@@ -845,7 +761,7 @@ class Engine:
         )
 
 
-def _cached_len(slot: _Slot) -> int:
+def _cached_len(slot: Slot) -> int:
     return len(slot.cache)
 
 

@@ -34,8 +34,9 @@ from sluice.core.errors import InsufficientMemory, InvalidRequest, ModelUnloaded
 from sluice.core.events import Event
 from sluice.core.model import ModelSpec
 from sluice.core.request import LLAMA_CPP_SAMPLING, GenerationRequest, SamplerDefaults
-from sluice.engine.engine import Engine, EngineConfig, EngineStats
+from sluice.engine.engine import Engine
 from sluice.engine.runner import Embedder, ModelRunner
+from sluice.engine.work import EngineConfig, EngineStats
 from sluice.local.completions import CompletionService, Generation, ServiceOptions
 from sluice.local.offload import Offload
 from sluice.local.plan import ToolLimits
