@@ -134,3 +134,31 @@ def test_ctrl_c_stops_the_answer_not_the_program(url: str) -> None:
         s.keys("C-d")
     finally:
         s.close()
+
+
+def test_a_system_prompt_opens_each_new_conversation(url: str) -> None:
+    s = Session(url, "--max-tokens", "8", "--system", "You are a pirate.")
+    try:
+        s.wait(lambda t: "sluice chat on" in t and prompts(t) == 1)
+        s.keys("Hello", "Enter")
+        s.wait(lambda t: prompts(t) == 2)
+        s.keys("And you?", "Enter")
+        s.wait(lambda t: prompts(t) == 3)
+        first = conversations(url)[0]
+        assert [m["role"] for m in first["messages"]] == [
+            "system",
+            "user",
+            "assistant",
+            "user",
+            "assistant",
+        ]
+        assert first["messages"][0]["content"] == "You are a pirate."
+        s.keys("/reset", "Enter")
+        s.wait(lambda t: "(new conversation)" in t)
+        s.keys("Hi", "Enter")
+        s.wait(lambda t: prompts(t) == 5)
+        second = conversations(url)[0]
+        assert second["id"] != first["id"]
+        assert [m["role"] for m in second["messages"]] == ["system", "user", "assistant"]
+    finally:
+        s.close()

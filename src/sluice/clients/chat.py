@@ -47,6 +47,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add_server_args(p)
     p.add_argument("--model", help="the model (default: the server's default model)")
     p.add_argument("--max-tokens", type=int, help="tokens an answer may have")
+    p.add_argument("--system", help="a system prompt for each new conversation")
 
 
 class Chat:
@@ -59,12 +60,14 @@ class Chat:
         out: TextIO,
         *,
         max_tokens: int | None = None,
+        system: str | None = None,
         color: bool = True,
     ) -> None:
         self.client = client
         self.model = model
         self.out = out
         self.max_tokens = max_tokens
+        self.system = system
         self.color = color
         self.conversation: str | None = None
         self._sent = 0.0  # when the current turn was sent (time.monotonic)
@@ -115,6 +118,8 @@ class Chat:
             body["model"] = self.model
         if self.conversation:
             body["conversation_id"] = self.conversation
+        elif self.system:
+            body["system"] = self.system  # where a conversation starts (/c1)
         if self.max_tokens:
             body["max_tokens"] = self.max_tokens
         timeout = httpx.Timeout(30, read=None)
@@ -216,7 +221,14 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         pass
     with httpx.Client(base_url=args.url, headers=headers, timeout=30) as client:
-        chat = Chat(client, args.model, sys.stdout, max_tokens=args.max_tokens, color=color)
+        chat = Chat(
+            client,
+            args.model,
+            sys.stdout,
+            max_tokens=args.max_tokens,
+            system=args.system,
+            color=color,
+        )
         try:
             client.get("/health").raise_for_status()
         except httpx.HTTPError as exc:
