@@ -23,10 +23,14 @@ from sluice.core.errors import (
     ModelLoadFailed,
     ModelNotFound,
     ModelTooLarge,
+    RequestCancelled,
     ServerBusy,
     ShuttingDown,
 )
+from sluice.metrics import Metrics
 from sluice.models.catalog import ModelSpec
+from sluice.models.dispatch import Dispatcher
+from sluice.models.flights import CALLER, Caller
 from sluice.models.memory import mem_available
 from sluice.models.registry import LoadOptions, ModelRegistry, Progress
 
@@ -801,3 +805,34 @@ async def test_two_reservations_at_once_never_both_take_the_last_room(
     )
     assert sorted(results) == [False, True]
     assert alpha.extra + beta.extra == 3 * GiB // 2
+
+
+async def test_a_request_waiting_for_a_load_is_in_flight_and_can_be_cancelled(
+    make: Callable[..., ModelRegistry], loader: FakeLoader
+) -> None:
+    registry = make()
+    dispatcher = Dispatcher(registry, [], Metrics())
+    gate = loader.hold("beta")
+    token = CALLER.set(Caller("alice", "openai"))
+    try:
+        first = asyncio.create_task(dispatcher.acquire("beta"))
+        second = asyncio.create_task(dispatcher.acquire("beta"))
+        await asyncio.sleep(0.05)
+    finally:
+        CALLER.reset(token)
+    entries = dispatcher.flights.list(None)
+    assert [(e["model"], e["state"], e["key"]) for e in entries] == [
+        ("beta", "queued", "alice")
+    ] * 2
+    flight = dispatcher.flights.get(entries[0]["id"])
+    assert flight is not None and dispatcher.flights.cancel(flight, by="admin")
+    with pytest.raises(RequestCancelled):
+        await first
+    assert len(dispatcher.flights) == 1  # the other still waits; the load goes on
+    gate.set()
+    lease = await second
+    assert lease.slot == "beta" and len(dispatcher.flights) == 0
+    lease.release()
+    # Loaded: an acquire passes through without leaving anything listed.
+    (await dispatcher.acquire("beta")).release()
+    assert len(dispatcher.flights) == 0

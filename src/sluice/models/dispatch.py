@@ -34,7 +34,7 @@ from sluice.core.backend import Backend, Embeddings, LoadOptions, Progress, Resp
 from sluice.core.errors import SluiceError, spec_for
 from sluice.core.request import GenerationRequest
 from sluice.metrics import Metrics, OpenAIChunkTap, RequestMeter, metered
-from sluice.models.flights import Flights
+from sluice.models.flights import Flights, Waiting
 from sluice.models.registry import ModelRegistry
 from sluice.upstream.backend import Passthrough, UpstreamModel, UpstreamSlot
 
@@ -256,7 +256,16 @@ class Dispatcher:
                 "upstream",
                 flights=self.flights,
             )
-        lease = await self.registry.acquire(name, ttl=ttl, progress=progress, options=options)
+        # In flight (queued) while the model loads: listed, and cancellable.
+        spec = self.registry.resolve(name)
+        waiting = Waiting(spec.name, self.metrics.clock)
+        self.flights.track(waiting, spec.name)
+        try:
+            lease = await waiting.wait(
+                lambda: self.registry.acquire(name, ttl=ttl, progress=progress, options=options)
+            )
+        finally:
+            waiting.end()
         return SlotLease(
             lease.model,
             lease.spec.name,

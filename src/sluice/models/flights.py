@@ -22,24 +22,40 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from sluice.core.errors import RequestCancelled, SluiceError
-from sluice.metrics import RequestMeter
+from sluice.core.interrupt import Interrupt
+
+
+class Meter(Protocol):
+    """What a flight reads of its meter (``metrics.RequestMeter``)."""
+
+    @property
+    def admitted(self) -> float: ...
+
+    @property
+    def counted(self) -> int: ...
+
+    @property
+    def finished(self) -> bool: ...
+
+    def tokens_per_second(self, now: float) -> float | None: ...
 
 
 class Live(Protocol):
-    """What a request in flight is made of: a metered stream (``metrics.MeteredStream``)
-    or an upstream's answer passed through unchanged (``upstream.backend.Passthrough``)."""
+    """What a request in flight is made of: a metered stream (``metrics.MeteredStream``),
+    an upstream's answer passed through unchanged (``upstream.backend.Passthrough``), or
+    a request waiting for its model to load (:class:`Waiting`)."""
 
     on_end: Callable[[], None] | None
     flight: Any
 
     @property
-    def meter(self) -> RequestMeter: ...
+    def meter(self) -> Meter: ...
 
     @property
     def model(self) -> str: ...
@@ -54,6 +70,8 @@ class Live(Protocol):
     def prompt_tokens(self) -> int: ...
 
     def cancel(self, error: SluiceError) -> bool: ...
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +127,58 @@ class Flight:
             "age_seconds": round(age, 3),
             "created_at": int(self.created_at),
         }
+
+
+@dataclass(slots=True)
+class _Waited:
+    """The meter of a request that has no stream yet: nothing generated."""
+
+    admitted: float
+    counted: int = 0
+    finished: bool = False
+
+    def tokens_per_second(self, now: float) -> float | None:
+        return None
+
+
+class Waiting:
+    """A request waiting for its model to load, before any stream: ``queued``, and
+    cancellable (:meth:`wait` raises the error). :meth:`end` when the wait is over.
+
+    Example::
+
+        waiting = Waiting("gemma3-270m", clock)
+        flights.track(waiting, "gemma-3-270m")
+        try:
+            lease = await waiting.wait(lambda: registry.acquire("gemma3-270m"))
+        finally:
+            waiting.end()
+    """
+
+    __slots__ = ("_interrupt", "flight", "meter", "model", "on_end")
+
+    replica = None
+    state = "queued"
+    prompt_tokens = 0
+
+    def __init__(self, model: str, clock: Callable[[], float]) -> None:
+        self.model = model
+        self.meter = _Waited(clock())
+        self.on_end: Callable[[], None] | None = None
+        self.flight: Any = None
+        self._interrupt = Interrupt()
+
+    async def wait(self, start: Callable[[], Awaitable[T]]) -> T:
+        return await self._interrupt.wait(start)
+
+    def cancel(self, error: SluiceError) -> bool:
+        return not self.meter.finished and self._interrupt.fire(error)
+
+    def end(self) -> None:
+        if not self.meter.finished:
+            self.meter.finished = True
+            if self.on_end is not None:
+                self.on_end()
 
 
 class Flights:
