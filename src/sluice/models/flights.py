@@ -71,6 +71,7 @@ class Live(Protocol):
 
     def cancel(self, error: SluiceError) -> bool: ...
 
+
 T = TypeVar("T")
 
 
