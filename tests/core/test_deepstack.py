@@ -59,3 +59,10 @@ def test_slow_jobs_do_not_hold_up_the_next() -> None:
             waiter.join(10)
     assert results == ["quick", "slow", "slow"]
     assert deepstack.threads() <= deepstack.MAX_THREADS
+
+
+def test_jobs_one_after_another_reuse_a_thread() -> None:
+    before = deepstack.threads()
+    for i in range(50):
+        assert run_deep(lambda: i) == i  # noqa: B023 - called at once
+    assert deepstack.threads() <= max(before, 1)

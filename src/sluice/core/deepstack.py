@@ -62,8 +62,16 @@ def _loop() -> None:
     while True:
         fn, done = _jobs.get()
         try:
-            done.set_result(fn())
+            result = fn()
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
-            done.set_exception(exc)
+            outcome: tuple[Any, BaseException | None] = (None, exc)
+        else:
+            outcome = (result, None)
+        # Idle before the caller hears back: its next job then finds this thread
+        # instead of starting another.
         with _lock:
             _idle += 1
+        if outcome[1] is not None:
+            done.set_exception(outcome[1])
+        else:
+            done.set_result(outcome[0])
