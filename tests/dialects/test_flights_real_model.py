@@ -165,12 +165,26 @@ async def test_queued_requests_of_every_dialect_and_admin_cancels(
     plain = asyncio.create_task(
         client.post("/v1/chat/completions", json=chat_body(), headers=auth(BOB))
     )
+    unstored = asyncio.create_task(  # not streamed, not stored: no run behind it
+        client.post(
+            "/v1/responses",
+            json={"model": "smollm2", "input": "Hi", "max_output_tokens": 8, "store": False},
+            headers=auth(ALICE),
+        )
+    )
 
-    async def five() -> list[dict[str, Any]] | None:
+    async def six() -> list[dict[str, Any]] | None:
         entries = await listed(client, ADMIN)
-        return entries if len(entries) == 5 else None
+        return entries if len(entries) == 6 else None
 
-    entries = await until(five)
+    entries = await until(six)
+    (quiet,) = [e for e in entries if e["dialect"] == "responses" and e["key"] == "alice"]
+    assert quiet["id"].startswith("resp_") and quiet["state"] == "queued"
+    r = await client.post(f"/v1/requests/{quiet['id']}/cancel", headers=auth(ALICE))
+    assert r.status_code == 200
+    answered = await asyncio.wait_for(unstored, 10)
+    assert answered.status_code == 499, answered.text
+    entries = [e for e in entries if e["id"] != quiet["id"]]
     by_dialect = {e["dialect"]: e for e in entries if e["key"] == "bob"}
     assert set(by_dialect) == {"anthropic", "responses", "ollama", "openai"}
     assert all(e["state"] == "queued" for e in by_dialect.values())

@@ -305,6 +305,7 @@ async def create(request: Request) -> Response:
 
     # Knowable before the first byte: a real status (a prompt over the context: a 400).
     lease, stream = await state.dispatcher.open(p.request)
+    identify(stream, response_id)
     headers = {"x-sluice-slot": slot_header(stream.meta.slot, stream.meta.replica)}
     if body.stream and body.store:
         run = state.runs.start(
