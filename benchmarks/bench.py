@@ -52,6 +52,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -69,7 +70,9 @@ TARGETS = {1: 0.95, 8: 0.9}  # sluice/raw aggregate tok/s the project is judged 
 
 
 def summarize(
-    levels: list[int], raw: dict[int, list[dict]], slu: dict[int, list[dict]]
+    levels: list[int],
+    raw: dict[int, list[dict[str, Any]]],
+    slu: dict[int, list[dict[str, Any]]],
 ) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for n in levels:
@@ -221,11 +224,15 @@ def main() -> None:
             server.wait_idle()
             raw.run(convs, 16)
             run_chat_streams(server, convs, 16)
-        raw_res: dict[int, list[dict]] = {n: [] for n in levels}
-        slu_res: dict[int, list[dict]] = {n: [] for n in levels}
+        raw_res: dict[int, list[dict[str, Any]]] = {n: [] for n in levels}
+        slu_res: dict[int, list[dict[str, Any]]] = {n: [] for n in levels}
         checks: list[str] = []
         noise = Noise([server.pid, raw.pid])
-        sides = {"raw": raw.run, "sluice": partial(run_chat_streams, server)}
+        # conversations, tokens -> the side's measurement
+        sides: dict[str, Callable[[list[list[dict[str, str]]], int], dict[str, Any]]] = {
+            "raw": raw.run,
+            "sluice": partial(run_chat_streams, server),
+        }
         retried = 0
         for rep in range(repeats):
             for li, n in enumerate(levels):

@@ -183,7 +183,8 @@ class DirectRun:
         line = self.proc.stdout.readline()
         if not line:
             raise SystemExit(f"cold_start: the direct worker died (rc {self.proc.wait()})")
-        return json.loads(line)
+        msg: dict[str, Any] = json.loads(line)
+        return msg
 
     def run(self) -> dict[str, Any]:
         assert self.proc.stdin is not None
@@ -555,7 +556,7 @@ def main() -> None:
         "note": args.note,
         "reproduce": reproduce,
     }
-    doc = {
+    doc: dict[str, Any] = {
         "date": started.isoformat(timespec="seconds"),
         "finished": finished.isoformat(timespec="seconds"),
         "machine": mach,

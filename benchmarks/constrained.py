@@ -102,6 +102,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -158,7 +159,7 @@ SCHEMA = {
     "required": ["people"],
     "additionalProperties": False,
 }
-TOOLS = [
+TOOLS: list[dict[str, Any]] = [
     {
         "type": "function",
         "function": {
@@ -425,6 +426,11 @@ def ttft_once(server: Server, body: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def ttft_reps(server: Server, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``ttft_once`` for each of ``bodies``, one after the other."""
+    return [ttft_once(server, b) for b in bodies]
+
+
 # -- validation ----------------------------------------------------------------------------
 
 
@@ -433,7 +439,7 @@ def item_problem(item: Any) -> str | None:
         try:
             jsonschema.validate(item, ITEM)
         except jsonschema.ValidationError as e:
-            return e.message[:160]
+            return str(e.message)[:160]
         return None
     if not isinstance(item, dict) or set(item) != {"name", "age", "city"}:
         return f"item keys {sorted(item) if isinstance(item, dict) else type(item).__name__}"
@@ -455,7 +461,7 @@ def people_problem(text: str) -> str | None:
         try:
             jsonschema.validate(doc, SCHEMA)
         except jsonschema.ValidationError as e:
-            return e.message[:160]
+            return str(e.message)[:160]
         return None
     if not isinstance(doc, dict) or set(doc) != {"people"}:
         return "not an object of 'people' alone"
@@ -470,7 +476,8 @@ def cut_items(text: str) -> tuple[bool, list[Any]]:
     m = re.match(r'\s*\{\s*"people"\s*:\s*\[', text)
     if not m:
         return False, []
-    dec, i, items = json.JSONDecoder(), m.end(), []
+    dec, i = json.JSONDecoder(), m.end()
+    items: list[Any] = []
     while True:
         while i < len(text) and text[i] in " \t\r\n,":
             i += 1
@@ -922,7 +929,7 @@ def main() -> None:
                         time.sleep(0.3)
                         sent = [for_side(x, side, args.llama_tools) for x in bodies]
                         m, foreign, before = noise.run(
-                            lambda s=srv, b=sent: measure(s, b),
+                            partial(measure, srv, sent),
                             args.quiet,
                             args.quiet_timeout,
                         )
@@ -959,7 +966,7 @@ def main() -> None:
                         serial += 1
                         tbodies.append(ttft_body(name, serial))
                     reps, foreign, _ = noise.run(
-                        lambda s=srv, bs=tbodies: [ttft_once(s, b) for b in bs],
+                        partial(ttft_reps, srv, tbodies),
                         args.quiet,
                         args.quiet_timeout,
                     )

@@ -359,7 +359,7 @@ def run_server(srv: Server, args: argparse.Namespace) -> dict[str, Any]:
 # --- summary and report --------------------------------------------------------------------
 
 
-def summarize(runs: dict[str, list[dict]]) -> dict[str, Any]:
+def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     s, ls = runs["sluice"], runs["llama-server"]
     n_turns = len(s[0]["turns"])
     rows = []
@@ -418,7 +418,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, Any]:
     }
 
 
-def checks(runs: dict[str, list[dict]], args: argparse.Namespace) -> list[str]:
+def checks(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> list[str]:
     """What makes a figure suspect: turns whose prompt differs in length between the
     servers (one history lacks something), background streams not all generating when a
     turn was sent or ending during it, others' CPU over the threshold, answers cut short."""
@@ -593,7 +593,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="sluice-conversation-"))
     (tmp / "models").mkdir()
     print(f"conversation: rounds={args.rounds} turns={args.turns} servers={servers}; logs in {tmp}")
-    runs: dict[str, list[dict]] = {s: [] for s in servers}
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in servers}
     cmds: dict[str, list[str]] = {}
     for rnd in range(args.rounds):
         for name in rotated(servers, rnd):

@@ -50,6 +50,7 @@ import json
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -274,7 +275,7 @@ def measure_resume(
             server.wait_idle()
             time.sleep(0.3)
             res, foreign, _ = noise.run(
-                lambda c=case, s=serial, i=k: resume_pair(server, c, s, args.resume_after, i),
+                partial(resume_pair, server, case, serial, args.resume_after, k),
                 args.quiet,
                 args.quiet_timeout,
             )
@@ -439,7 +440,7 @@ def main() -> None:
                     server.wait_idle()
                     time.sleep(0.3)
                     res, foreign, _ = noise.run(
-                        lambda d=dialect, c=convs: measure(server, d, c, args.tokens),
+                        partial(measure, server, dialect, convs, args.tokens),
                         args.quiet,
                         args.quiet_timeout,
                     )

@@ -58,6 +58,7 @@ import sys
 import tempfile
 import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -216,7 +217,10 @@ def measure(
 def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     if a.shape != b.shape:
         raise SystemExit(f"embeddings: vectors of shape {a.shape} vs {b.shape}")
-    return np.sum(a * b, axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+    cos: np.ndarray = np.sum(a * b, axis=1) / (
+        np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
+    )
+    return cos
 
 
 # -- servers ---------------------------------------------------------------------------
@@ -402,7 +406,7 @@ def main() -> None:
                     srv.wait_idle()
                     time.sleep(0.3)
                     (m, vec), foreign, before = noise.run(
-                        lambda s=side, w=waves: measure(s, servers[s], w),
+                        partial(measure, side, servers[side], waves),
                         args.quiet,
                         args.quiet_timeout,
                     )

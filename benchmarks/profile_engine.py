@@ -33,7 +33,9 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import AsyncIterator, Callable
 from functools import partial
+from typing import Any
 
 from harness import model_path
 from harness.machine import Noise
@@ -42,10 +44,11 @@ from harness.raw import RawWorker
 
 
 def engine_profile(args: argparse.Namespace) -> None:
-    from sluice.core.events import Finish
+    from sluice.core.events import Event, Finish
     from sluice.core.request import SamplingParams
     from sluice.engine.engine import Engine
     from sluice.engine.llama_runner import LlamaRunner, LlamaRunnerConfig
+    from sluice.engine.runner import BatchEntry
     from sluice.engine.types import EngineRequest
     from sluice.engine.work import EngineConfig
 
@@ -62,7 +65,7 @@ def engine_profile(args: argparse.Namespace) -> None:
     orig_decode, orig_sample = runner.decode, runner.sample
     layouts: list[tuple[int, ...]] = []
 
-    def decode(entries):  # type: ignore[no-untyped-def]
+    def decode(entries: list[BatchEntry]) -> None:
         layouts.append(tuple(e.seq for e in entries))
         t = time.perf_counter()
         try:
@@ -71,7 +74,7 @@ def engine_profile(args: argparse.Namespace) -> None:
             timers["decode"] += time.perf_counter() - t
             timers["n_decode"] += 1
 
-    def sample(sampler, row):  # type: ignore[no-untyped-def]
+    def sample(sampler: Any, row: int) -> int:  # LlamaRunner.sample's signature
         t = time.perf_counter()
         try:
             return orig_sample(sampler, row)
@@ -79,6 +82,7 @@ def engine_profile(args: argparse.Namespace) -> None:
             timers["sample"] += time.perf_counter() - t
             timers["n_sample"] += 1
 
+    # The timed wrappers in place of the methods (mypy rejects assigning to a method).
     runner.decode = decode  # type: ignore[method-assign]
     runner.sample = sample  # type: ignore[method-assign]
 
@@ -92,7 +96,7 @@ def engine_profile(args: argparse.Namespace) -> None:
             step_times.append(time.perf_counter() - t)
             return ran
 
-        def _run(self) -> None:  # type: ignore[override]
+        def _run(self) -> None:
             if prof is not None:
                 prof.enable()
             try:
@@ -110,10 +114,10 @@ def engine_profile(args: argparse.Namespace) -> None:
         def backlog(self) -> int:
             return 0  # always read at once: never paused
 
-        def pause(self, resume_at, wake):  # type: ignore[no-untyped-def]
+        def pause(self, resume_at: int, wake: Callable[[], None]) -> None:
             wake()
 
-        def put_many(self, events):  # type: ignore[no-untyped-def]
+        def put_many(self, events: list[Event]) -> None:
             self.calls += 1
             for e in events:
                 if isinstance(e, Finish):
@@ -131,14 +135,14 @@ def engine_profile(args: argparse.Namespace) -> None:
         info.chat_template, bos_token=info.bos_token, eos_token=info.eos_token, model_id=info.id
     )
 
-    def render(conv):  # type: ignore[no-untyped-def]
+    def render(conv: list[dict[str, str]]) -> str:
         return template.render(conv)
 
     engine = ProfiledEngine(runner, EngineConfig(n_parallel=args.parallel, max_queue=16))
     engine.start()
     noise = Noise([raw.pid])
     try:
-        results = []
+        results: list[tuple[dict[str, float], dict[str, Any]]] = []
         serial = 500
         while len(results) < args.repeats and serial < 500 + 4 * args.repeats:
             serial += 1
@@ -227,6 +231,8 @@ def engine_profile(args: argparse.Namespace) -> None:
 
 
 def frame_profile(n_frames: int) -> None:
+    from starlette.types import Message
+
     from sluice.core.events import TextDelta
     from sluice.dialects.openai.format import ChatStreamFormatter, ResponseMeta
     from sluice.server.sse import SSEResponse, encode, sse_stream
@@ -246,7 +252,7 @@ def frame_profile(n_frames: int) -> None:
             encode(f)
     per_fmt = (time.perf_counter() - t) / n_frames
 
-    async def events():  # type: ignore[no-untyped-def]
+    async def events() -> AsyncIterator[TextDelta]:
         for _ in range(n_frames):
             yield ev
 
@@ -257,16 +263,17 @@ def frame_profile(n_frames: int) -> None:
         return (time.perf_counter() - t) / n_frames
 
     async def run_response() -> float:
-        async def body():  # type: ignore[no-untyped-def]
+        async def body() -> AsyncIterator[bytes]:
             chunk = b'data: {"x":1}\n\n'
             for _ in range(n_frames):
                 yield chunk
 
-        async def send(msg):  # type: ignore[no-untyped-def]
+        async def send(msg: Message) -> None:
             return None
 
-        async def receive():  # type: ignore[no-untyped-def]
+        async def receive() -> Message:
             await asyncio.Event().wait()  # the client never disconnects
+            raise AssertionError("unreachable: the event is never set")
 
         resp = SSEResponse(body(), on_close=lambda: None)
         t = time.perf_counter()
@@ -275,7 +282,7 @@ def frame_profile(n_frames: int) -> None:
 
     async def run_threadsafe() -> float:
         loop = asyncio.get_running_loop()
-        q: asyncio.Queue[list[object]] = asyncio.Queue()
+        q: asyncio.Queue[list[TextDelta]] = asyncio.Queue()
         done = asyncio.Event()
 
         def producer() -> None:

@@ -49,13 +49,14 @@ def serve_with_timers(argv: list[str], log_path: str) -> None:
     """``sluice serve`` with the engine step timed; records dumped every second."""
     from sluice.engine import engine as eng_mod
     from sluice.engine import llama_runner as lr
+    from sluice.engine.runner import BatchEntry
 
     rec: list[tuple[float, float, float, list[int], int]] = []
     cur: dict[str, Any] = {}
     orig_decode = lr.LlamaRunner.decode
     orig_step = eng_mod.Engine._step
 
-    def decode(self: Any, entries: Any) -> None:
+    def decode(self: lr.LlamaRunner, entries: list[BatchEntry]) -> None:
         t0 = time.perf_counter()
         orig_decode(self, entries)
         cur["d"] = (
@@ -65,7 +66,7 @@ def serve_with_timers(argv: list[str], log_path: str) -> None:
             sum(len(e.tokens) for e in entries),
         )
 
-    def step(self: Any) -> bool:
+    def step(self: eng_mod.Engine) -> bool:
         cur.clear()
         ran = orig_step(self)  # False: nothing ran, the engine waits for a command
         if "d" in cur:
@@ -73,6 +74,7 @@ def serve_with_timers(argv: list[str], log_path: str) -> None:
             rec.append((t0, t1, time.perf_counter(), seqs, n_tok))
         return ran
 
+    # The timed wrappers in place of the methods (mypy rejects assigning to a method).
     lr.LlamaRunner.decode = decode  # type: ignore[method-assign]
     eng_mod.Engine._step = step  # type: ignore[method-assign]
 

@@ -43,6 +43,7 @@ import secrets
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -196,7 +197,7 @@ class Prompts:
 # --- requests -------------------------------------------------------------------------
 
 
-def request(path: str, port: int, key: str, messages: list[dict], tokens: int) -> bytes:
+def request(path: str, port: int, key: str, messages: list[dict[str, str]], tokens: int) -> bytes:
     body = {
         "model": MODEL[path],
         "messages": messages,
@@ -215,29 +216,45 @@ def wave(port: int, reqs: list[bytes]) -> list[client.Stream]:
     return client.run_streams(port, reqs, lead=0.02)
 
 
+@dataclass
+class PathWaves:
+    """One path's share of ``measure`` so far: its requests, the streams of the waves sent,
+    their wall time and the gateway's CPU time."""
+
+    reqs: list[bytes]
+    results: list[client.Stream] = field(default_factory=list)
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+
+
 def measure(
-    servers: dict[str, Server], order: tuple, conc: int, prompts: Prompts, shape0: int, args: Any
-) -> dict:
+    servers: dict[str, Server],
+    order: tuple[str, ...],
+    conc: int,
+    prompts: Prompts,
+    shape0: int,
+    args: Any,
+) -> dict[str, dict[str, Any]]:
     """STREAMS streams per path in waves of ``conc``, the paths taking turns wave by wave
     (so that drift hits them alike) with the same prompt shapes: TTFTs (in wave order),
     tokens, wall time, the gateway's CPU time."""
-    out = {}
+    waves: dict[str, PathWaves] = {}
     for p in order:
         convs = [prompts.conversation(shape0 + i) for i in range(STREAMS)]
-        reqs = [request(p, servers[p].port, args.key, c, args.tokens) for c in convs]
-        out[p] = {"reqs": reqs, "results": [], "wall_s": 0.0, "cpu_s": 0.0}
+        waves[p] = PathWaves([request(p, servers[p].port, args.key, c, args.tokens) for c in convs])
     for i in range(0, STREAMS, conc):
         for p in order:
-            srv, m = servers[p], out[p]
+            srv, m = servers[p], waves[p]
             settle(servers["direct"])
             cpu0 = proc_cpu_seconds(srv.pid)
-            got = wave(srv.port, m["reqs"][i : i + conc])
-            m["cpu_s"] += proc_cpu_seconds(srv.pid) - cpu0
-            m["wall_s"] += max(r.t_done for r in got) - min(r.t_send for r in got)
-            m["results"] += got
-    for p, m in out.items():
+            got = wave(srv.port, m.reqs[i : i + conc])
+            m.cpu_s += proc_cpu_seconds(srv.pid) - cpu0
+            m.wall_s += max(r.t_done for r in got) - min(r.t_send for r in got)
+            m.results += got
+    out: dict[str, dict[str, Any]] = {}
+    for p, m in waves.items():
         usage = []
-        for r in m["results"]:
+        for r in m.results:
             u = r.parse()["usage"] or {}
             if r.status != 200 or not r.t_first or not r.t_done:
                 sys.exit(f"router: a {p} stream failed: {bytes(r.raw[:600])!r}")
@@ -246,11 +263,11 @@ def measure(
             details = u.get("prompt_tokens_details") or {}
             usage.append([u["prompt_tokens"], details.get("cached_tokens")])
         out[p] = {
-            "ttft_s": [r.t_first - r.t_send for r in m["results"]],
+            "ttft_s": [r.t_first - r.t_send for r in m.results],
             "tokens": STREAMS * args.tokens,
-            "wall_s": m["wall_s"],
-            "tok_s": STREAMS * args.tokens / m["wall_s"],
-            "router_cpu_s": m["cpu_s"] if p != "direct" else None,
+            "wall_s": m.wall_s,
+            "tok_s": STREAMS * args.tokens / m.wall_s,
+            "router_cpu_s": m.cpu_s if p != "direct" else None,
             "prompt_and_cached_tokens": usage,
         }
     return out
@@ -294,7 +311,9 @@ def compare(ref: bytes, other: bytes) -> dict[str, Any]:
     }
 
 
-def identity_check(servers: dict[str, Server], conv: list[dict], args: Any) -> dict[str, Any]:
+def identity_check(
+    servers: dict[str, Server], conv: list[dict[str, str]], args: Any
+) -> dict[str, Any]:
     def ask(path: str) -> bytes:
         srv = servers[path]
         [res] = wave(srv.port, [request(path, srv.port, args.key, conv, args.tokens)])
@@ -332,10 +351,13 @@ def ident_lines(ident: dict[str, Any]) -> list[str]:
 # --- rounds and report -------------------------------------------------------------------
 
 
-def run_rounds(servers: dict[str, Server], prompts: Prompts, args: Any) -> tuple[dict, list[str]]:
+Runs = dict[str, dict[str, list[dict[str, Any]]]]  # concurrency -> path -> rounds
+
+
+def run_rounds(servers: dict[str, Server], prompts: Prompts, args: Any) -> tuple[Runs, list[str]]:
     """Warm-up, then the rounds: at each concurrency every path, the order rotated."""
     paths = tuple(servers)
-    runs: dict[str, dict[str, list[dict]]] = {str(c): {p: [] for p in paths} for c in LEVELS}
+    runs: Runs = {str(c): {p: [] for p in paths} for c in LEVELS}
     checks: list[str] = []
     for conc in LEVELS:  # warm-up: connections, pools, first-request code paths
         measure(servers, paths, conc, prompts, 0, args)
@@ -386,7 +408,7 @@ def ci95(rounds: list[list[float]], n: int = 2000) -> list[float]:
     return [1000 * meds[int(0.025 * n)], 1000 * meds[int(0.975 * n)]]
 
 
-def summarize(runs: dict[str, dict[str, list[dict]]]) -> dict[str, Any]:
+def summarize(runs: Runs) -> dict[str, Any]:
     """Per concurrency and path: TTFT percentiles, added TTFT, throughput and its ratio.
 
     Added TTFT pairs streams of the same wave index by rank (at 1 stream: the stream of

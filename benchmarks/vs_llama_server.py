@@ -86,6 +86,8 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -202,11 +204,16 @@ class ServerTarget:
         self.srv.close()
 
 
-def start_target(name: str, parallel: int, args: argparse.Namespace, tag: str) -> Any:
+Target = RawTarget | ServerTarget
+
+
+def start_target(name: str, parallel: int, args: argparse.Namespace, tag: str) -> Target:
     return RawTarget(args) if name == "raw" else ServerTarget(name, parallel, args, tag)
 
 
-def measured(target: Any, args: argparse.Namespace, fn: Any) -> dict[str, Any]:
+def measured(
+    target: Target, args: argparse.Namespace, fn: Callable[[], dict[str, Any]]
+) -> dict[str, Any]:
     """``fn()`` on an idle target and a quiet machine, with others' CPU during it."""
     target.wait_idle()
     time.sleep(0.3)  # the previous run's thread pool goes to sleep
@@ -225,7 +232,7 @@ def throughput_round(args: argparse.Namespace, rnd: int) -> dict[str, list[dict[
     (``round`` numbers the entries, ``fresh_round``/``rep`` say where it came from), so a
     paired ratio compares two runs a few seconds apart, not two that a whole target's
     round (a minute) and a change of this shared machine's speed may separate."""
-    targets: dict[str, Any] = {}
+    targets: dict[str, Target] = {}
     out: dict[str, list[dict[str, Any]]] = {t: [] for t in TARGETS}
     reps = args.reps
     try:
@@ -255,9 +262,7 @@ def throughput_round(args: argparse.Namespace, rnd: int) -> dict[str, list[dict[
                 serial = base + (rep + 1) * len(LEVELS) + li
                 convs = [make_messages(serial, i) for i in range(n)]
                 for t in order:
-                    res = measured(
-                        targets[t], args, lambda c=convs, t=t: targets[t].run(c, args.tokens)
-                    )
+                    res = measured(targets[t], args, partial(targets[t].run, convs, args.tokens))
                     entries[t]["levels"][str(n)] = res
                     print(
                         f"    rep {rep + 1} {t:12s} n={n}: agg {res['agg_tok_s']:7.1f} tok/s  "
@@ -268,8 +273,8 @@ def throughput_round(args: argparse.Namespace, rnd: int) -> dict[str, list[dict[
             for t in TARGETS:
                 out[t].append(entries[t])
     finally:
-        for t in targets.values():
-            t.close()
+        for target in targets.values():
+            target.close()
     return out
 
 
@@ -629,7 +634,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
     ax1.legend(loc="upper left", fontsize=8)
     ax1.margins(y=0.15)
 
-    groups = [
+    groups: list[tuple[str, Callable[[str], float]]] = [
         ("short TTFT p50 (s)", lambda s: mx[s]["short_ttft_p50_ms"] / 1000),
         ("short gap p95:\nduring long prefill / alone", lambda s: mx[s]["gap_p95_ratio"]),
         ("long TTFT:\nmixed / alone", lambda s: mx[s]["long_ttft_ratio"]),

@@ -43,6 +43,7 @@ import tarfile
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from harness import CACHE, REPO
 
@@ -170,9 +171,10 @@ def ensure_llama_server() -> Path:
     return binary
 
 
-def build_info(binary: Path) -> dict:
+def build_info(binary: Path) -> dict[str, Any]:
     """What ``ensure_llama_server`` recorded about the build (``{}`` if nothing)."""
     try:
-        return json.loads((binary.parent / "build-info.json").read_text())
+        info: dict[str, Any] = json.loads((binary.parent / "build-info.json").read_text())
+        return info
     except (OSError, ValueError):
         return {}

@@ -273,7 +273,8 @@ class RawWorker:
         line = self.proc.stdout.readline()
         if not line:
             raise SystemExit(f"{prog()}: the raw worker died (rc {self.proc.poll()})")
-        return json.loads(line)
+        msg: dict[str, Any] = json.loads(line)
+        return msg
 
     def call(self, **cmd: Any) -> dict[str, Any]:
         assert self.proc.stdin is not None
