@@ -1,8 +1,10 @@
 """The chat page in a real headless Chromium, against ``sluice serve`` on the real
 models: it loads clean, streams an answer, stops one (the server's slot frees),
 keeps conversations (reload, open, rename, branch, delete), sends its settings (a
-system prompt where a conversation starts, sampling on every turn), loads the second
-model with a progress bar, and asks for the API key once. Screenshots go to a folder
+system prompt where a conversation starts, sampling on every turn; a new chat names
+them; another tab sees them saved), loads the second model with a progress bar (and
+says it cannot chat: no chat template), and asks for the API key once (and again in
+every tab once it is forgotten). Screenshots go to a folder
 the tests print."""
 
 from __future__ import annotations
@@ -342,7 +344,60 @@ def test_settings_go_with_every_turn_and_the_system_prompt_at_the_start(
     answered(p)
     expect(p.get_by_role("alert")).to_be_hidden()
     assert "system" not in bodies[-1]
+    expect(p.get_by_text("New conversation ·")).to_be_hidden()
+
+    # A new chat says, before it starts, what it will be sent with.
+    p.get_by_role("button", name="New chat").click()
+    expect(p.get_by_text("New conversation ·")).to_have_text(
+        f"New conversation · system prompt: “{OTHER_SYSTEM}” · temperature 0.3 · max tokens 8"
+    )
+    p.screenshot(path=shots / "new-chat-settings.png")
     assert seen.errors == [] and [m for m in seen.console if m[0] == "error"] == []
+
+
+LONG_SYSTEM = (
+    "You are a careful librarian who answers questions about old maps, "
+    "and who always names the archive a map is kept in."
+)
+
+
+def test_settings_saved_in_another_tab_show_in_this_one(
+    page: tuple[Any, Seen], url: str, shots: Path
+) -> None:
+    from playwright.sync_api import expect
+
+    p, _ = page
+    other = p.context.new_page()  # the same browser, another tab: the same localStorage
+    other.goto(url + "/")
+    button = other.get_by_role("button", name="Settings", exact=True)
+    hint = other.get_by_text("New conversation ·")
+    expect(button).not_to_have_class(re.compile(r"\bactive\b"))
+    expect(hint).to_be_hidden()
+
+    dialog = open_settings(p)
+    dialog.get_by_label("System prompt").fill(LONG_SYSTEM)
+    dialog.get_by_label("Max tokens").fill("400")
+    dialog.get_by_role("button", name="Save").click()
+    expect(dialog).to_be_hidden()
+    # The other tab shows the dot, the tooltip, and names the prompt, cut short.
+    expect(button).to_have_class(re.compile(r"\bactive\b"))
+    expect(button).to_have_attribute("title", re.compile("a system prompt, max tokens 400$"))
+    expect(hint).to_have_text(
+        "New conversation · system prompt: "
+        "“You are a careful librarian who answers questions about old…” · max tokens 400"
+    )
+    other.screenshot(path=shots / "settings-other-tab.png")
+    other.set_viewport_size({"width": 390, "height": 760})
+    other.wait_for_timeout(300)  # the list's slide-out
+    assert other.evaluate("document.documentElement.scrollWidth <= innerWidth")
+    other.screenshot(path=shots / "settings-other-tab-narrow.png")
+
+    p.bring_to_front()  # a tab behind others gets few frames: its clicks would wait
+    dialog = open_settings(p)
+    dialog.get_by_role("button", name="Clear all").click()
+    dialog.get_by_role("button", name="Save").click()
+    expect(button).not_to_have_class(re.compile(r"\bactive\b"))
+    expect(hint).to_be_hidden()
 
 
 def test_a_bad_setting_is_refused_by_the_form_and_by_the_server(
@@ -384,7 +439,10 @@ def test_picking_an_unloaded_model_loads_it_with_progress(
     p, _ = page
     picker = p.get_by_role("combobox", name="Model")
     gemma = picker.locator("option[value='gemma-3-270m']")
-    expect(gemma).to_have_text(re.compile(r"not loaded"))
+    expect(gemma).to_have_text("gemma-3-270m (not loaded, no chat template)")
+    note = p.locator("#model-note")
+    box = p.get_by_role("textbox", name="Message")
+    expect(note).to_be_empty()
     p.evaluate(
         """() => {
         window.progress = [];
@@ -395,6 +453,10 @@ def test_picking_an_unloaded_model_loads_it_with_progress(
       }"""
     )
     picker.select_option("gemma-3-270m")
+    # Said at once, under the box (and as the box's description).
+    warning = "gemma-3-270m has no chat template (a base model): it cannot chat."
+    expect(note).to_contain_text(warning)
+    expect(box).to_have_accessible_description(re.compile(re.escape(warning)))
     expect(p.get_by_role("status")).to_have_text(re.compile(r"Loaded gemma-3-270m"), timeout=LONG)
     p.screenshot(path=shots / "model-loaded.png")
     expect(gemma).to_have_text(re.compile(r"\(loaded"))
@@ -406,7 +468,12 @@ def test_picking_an_unloaded_model_loads_it_with_progress(
     # A base model has no chat template: the server says so, and the page shows it.
     send(p, "Hello")
     expect(p.get_by_role("alert")).to_contain_text("template", timeout=LONG)
-    expect(p.get_by_role("textbox", name="Message")).to_have_value("Hello")  # kept to resend
+    expect(box).to_have_value("Hello")  # kept to resend
+    expect(note).to_contain_text(warning)
+    p.screenshot(path=shots / "model-no-template.png")
+    picker.select_option("smollm2-135m-instruct")
+    expect(note).to_be_empty()
+    expect(box).to_have_accessible_description("")
 
 
 def test_model_output_is_sanitised(page: tuple[Any, Seen]) -> None:
@@ -505,8 +572,15 @@ def test_with_keys_the_page_asks_for_one_once(browser: Any, shots: Path) -> None
             expect(p.get_by_role("navigation", name="Conversations")).to_contain_text("Say hello.")
             expect(dialog).to_be_hidden()
             p.screenshot(path=shots / "keyed.png")
-            # Forgetting it asks again.
+            # Forgetting it asks again, here and, at its next request, in another tab.
+            other = ctx.new_page()
+            other.goto(keyed + "/")
+            forget = other.get_by_role("button", name="Forget API key")
+            expect(forget).to_be_visible()
             p.get_by_role("button", name="Forget API key").click()
             expect(dialog).to_be_visible()
+            expect(forget).to_be_hidden()
+            send(other, "Say hello again.")
+            expect(other.get_by_role("dialog", name="API key")).to_be_visible()
         finally:
             ctx.close()

@@ -1,9 +1,11 @@
 // The server's API as the page uses it: JSON requests, SSE streams, the API key.
 //
 // A 401 asks for the key once (askKey), keeps it in localStorage and retries;
-// several requests refused at once share one question. Errors come back as
-// ApiError with the server's own message ({"error": {"message": ...}}, also
-// when it arrives as an SSE error frame).
+// several requests refused at once share one question. The key is read from
+// localStorage at each request, so one forgotten (or given) in another tab of the
+// page holds here at the next; onKeyChange hears of it (the `storage` event).
+// Errors come back as ApiError with the server's own message ({"error":
+// {"message": ...}}, also when it arrives as an SSE error frame).
 
 const KEY = "sluice.apiKey";
 
@@ -21,6 +23,9 @@ export class Api {
     this.askKey = askKey;
     this.asking = null;
     this.onKeyChange = () => {};
+    window.addEventListener("storage", (event) => {
+      if (event.key === KEY || event.key === null) this.onKeyChange(Boolean(this.key));
+    });
   }
 
   get key() {

@@ -4,7 +4,7 @@
 // Stop aborts the fetch, and the server stops generating and keeps the partial answer.
 
 import { Api, ApiError, errorOf, events } from "/ui/api.js";
-import { Tree, renderList, titleFrom, titleOf } from "/ui/conversations.js";
+import { Tree, renderList, shortened, titleFrom, titleOf } from "/ui/conversations.js";
 import { ModelPicker } from "/ui/models.js";
 import { Settings } from "/ui/settings.js";
 import { StreamingAnswer, messageView, contentText, systemView } from "/ui/thread.js";
@@ -18,6 +18,7 @@ const ui = Object.fromEntries(
     "key-dialog", "key-form", "key-input", "key-note", "branch-note", "branch-cancel",
     "toggle-sidebar", "sidebar", "model", "load", "load-progress", "load-text", "empty-hint",
     "thread", "more-conversations", "branch-text", "settings", "settings-dialog",
+    "new-settings", "model-note",
   ].map((id) => [id.replace(/-(\w)/g, (_, c) => c.toUpperCase()), $(id)]),
 );
 
@@ -78,7 +79,28 @@ const picker = new ModelPicker(
   showError,
 );
 
+picker.onChange = renderModelNote;
+
+/** Under the box, while the picked model cannot chat: say so (a send still goes,
+ * and shows the server's error). */
+function renderModelNote() {
+  const model = picker.cannotChat ? picker.value : "";
+  ui.modelNote.textContent = model
+    ? `${model} has no chat template (a base model): it cannot chat. Pick another model to talk to.`
+    : "";
+  if (model) ui.message.setAttribute("aria-describedby", "model-note");
+  else ui.message.removeAttribute("aria-describedby");
+}
+
 const settings = new Settings(ui.settings, ui.settingsDialog);
+settings.onChange = renderNewSettings;
+
+/** On an empty thread: what a new conversation will be sent with, if anything is set. */
+function renderNewSettings() {
+  const parts = settings.describe((prompt) => `system prompt: “${shortened(prompt, 60)}”`);
+  ui.newSettings.textContent = parts.length ? ["New conversation", ...parts].join(" · ") : "";
+  ui.newSettings.hidden = parts.length === 0;
+}
 
 // -- the conversations -----------------------------------------------------------------
 
@@ -174,6 +196,7 @@ function renderThread() {
     }),
   );
   ui.emptyHint.hidden = path.length > 0;
+  renderNewSettings();
   scrollDown(true);
 }
 

@@ -72,11 +72,16 @@ export function titleOf(conversation) {
 
 /** A title from the first message: its first line, cut at a word near 60 characters. */
 export function titleFrom(text) {
-  const line = text.trim().split("\n")[0];
-  if (line.length <= 60) return line;
-  const cut = line.slice(0, 60);
+  return shortened(text.trim().split("\n")[0], 60);
+}
+
+/** `text` on one line, cut at a word near `most` characters (… where it is cut). */
+export function shortened(text, most) {
+  const line = text.replace(/\s+/g, " ").trim();
+  if (line.length <= most) return line;
+  const cut = line.slice(0, most);
   const space = cut.lastIndexOf(" ");
-  return `${space > 30 ? cut.slice(0, space) : cut}…`;
+  return `${space > most / 2 ? cut.slice(0, space) : cut}…`;
 }
 
 /** The side list: one button per conversation, the open one marked. */

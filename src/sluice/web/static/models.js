@@ -1,6 +1,7 @@
 // The model picker: every model the server knows (/v1/info: local and upstream, with
 // the load state and the default), and a load with its progress bar when the
 // picked model is a local one not loaded yet (POST /api/v1/models/load, streamed).
+// A model without a chat template (a base model) is marked so: it cannot chat.
 
 import { errorOf, events } from "/ui/api.js";
 
@@ -25,6 +26,7 @@ export class ModelPicker {
     this.label = label;
     this.showError = showError;
     this.models = new Map();
+    this.onChange = () => {}; // the pick or its model's state changed
     select.addEventListener("change", () => this.picked());
   }
 
@@ -35,6 +37,11 @@ export class ModelPicker {
 
   get current() {
     return this.models.get(this.select.value);
+  }
+
+  /** Whether the picked model cannot chat: the server says it has no chat template. */
+  get cannotChat() {
+    return this.current?.capabilities?.chat === false;
   }
 
   async refresh() {
@@ -52,10 +59,12 @@ export class ModelPicker {
       }),
     );
     this.select.value = this.models.has(wanted) ? wanted : info.default_model;
+    this.onChange();
   }
 
   async picked() {
     localStorage.setItem(KEY, this.select.value);
+    this.onChange();
     const model = this.current;
     if (model?.backend?.type === "local" && model.status === "not_loaded") {
       try {

@@ -1,7 +1,8 @@
 // The settings sent with every turn: a system prompt (only where a conversation
 // starts: /c1/chat refuses `system` elsewhere) and sampling (temperature,
 // max_tokens, top_p; unset: the server's default). Kept in localStorage, edited in
-// the Settings dialog, which checks the numbers before it saves them.
+// the Settings dialog, which checks the numbers before it saves them; a change saved
+// in another tab of the page comes as a `storage` event and is shown here too.
 
 const KEY = "sluice.settings";
 
@@ -10,18 +11,21 @@ const NUMBERS = [
   {
     id: "temperature",
     field: "temperature",
+    label: "temperature",
     valid: (v) => v >= 0 && v <= 2,
     rule: "Temperature is a number from 0 to 2.",
   },
   {
     id: "max-tokens",
     field: "max_tokens",
+    label: "max tokens",
     valid: (v) => Number.isInteger(v) && v >= 1,
     rule: "Max tokens is a whole number, 1 or more.",
   },
   {
     id: "top-p",
     field: "top_p",
+    label: "top P",
     valid: (v) => v > 0 && v <= 1,
     rule: "Top P is a number above 0, up to 1.",
   },
@@ -41,6 +45,7 @@ export class Settings {
   constructor(button, dialog) {
     this.button = button;
     this.dialog = dialog;
+    this.onChange = () => {}; // after a save, here or in another tab
     const $ = (id) => dialog.querySelector(`#${id}`);
     this.form = $("settings-form");
     this.system = $("system-prompt");
@@ -55,6 +60,12 @@ export class Settings {
     this.form.addEventListener("submit", (event) => {
       event.preventDefault();
       this.save();
+    });
+    // Saved in another tab (null: localStorage cleared there).
+    window.addEventListener("storage", (event) => {
+      if (event.key !== KEY && event.key !== null) return;
+      this.showSummary();
+      this.onChange();
     });
     this.showSummary();
   }
@@ -114,17 +125,24 @@ export class Settings {
     }
     localStorage.setItem(KEY, JSON.stringify(values));
     this.showSummary();
+    this.onChange();
     this.dialog.close();
+  }
+
+  /** What is set, a phrase each ("temperature 0.3"), the system prompt first as
+   * `system(prompt)` words it; [] when nothing is. */
+  describe(system = () => "a system prompt") {
+    const values = stored();
+    const parts = this.systemPrompt ? [system(this.systemPrompt)] : [];
+    for (const { field, label } of NUMBERS) {
+      if (typeof values[field] === "number") parts.push(`${label} ${values[field]}`);
+    }
+    return parts;
   }
 
   /** What is set, as the button's tooltip (and a mark on it). */
   showSummary() {
-    const values = stored();
-    const parts = [];
-    if (this.systemPrompt) parts.push("a system prompt");
-    for (const { field } of NUMBERS) {
-      if (typeof values[field] === "number") parts.push(`${field} ${values[field]}`);
-    }
+    const parts = this.describe();
     this.button.classList.toggle("active", parts.length > 0);
     this.button.title = parts.length ? `Sent with each message: ${parts.join(", ")}` : "";
   }
