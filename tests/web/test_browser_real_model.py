@@ -381,7 +381,9 @@ def test_settings_saved_in_another_tab_show_in_this_one(
     expect(dialog).to_be_hidden()
     # The other tab shows the dot, the tooltip, and names the prompt, cut short.
     expect(button).to_have_class(re.compile(r"\bactive\b"))
-    expect(button).to_have_attribute("title", re.compile("a system prompt, max tokens 400$"))
+    expect(button).to_have_attribute(
+        "title", re.compile("^Settings in use: .*a system prompt, max tokens 400$")
+    )
     expect(hint).to_have_text(
         "New conversation · system prompt: "
         "“You are a careful librarian who answers questions about old…” · max tokens 400"

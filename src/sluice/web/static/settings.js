@@ -144,6 +144,7 @@ export class Settings {
   showSummary() {
     const parts = this.describe();
     this.button.classList.toggle("active", parts.length > 0);
-    this.button.title = parts.length ? `Sent with each message: ${parts.join(", ")}` : "";
+    // The system prompt goes where a conversation starts; the sampling with every turn.
+    this.button.title = parts.length ? `Settings in use: ${parts.join(", ")}` : "";
   }
 }
