@@ -91,7 +91,7 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
             case "load":
                 return _load(client, console, args)
             case "unload":
-                _call(client, "/api/v1/models/unload", {"instance_id": args.model})
+                call(client, "/api/v1/models/unload", {"instance_id": args.model})
                 console.print(f"unloaded {args.model}", highlight=False)
                 return 0
             case _:
@@ -121,7 +121,9 @@ def talk(args: argparse.Namespace, console: Console, work: Callable[[httpx.Clien
     return 1
 
 
-def _call(client: httpx.Client, path: str, body: dict[str, Any] | None = None) -> Any:
+def call(client: httpx.Client, path: str, body: dict[str, Any] | None = None) -> Any:
+    """POST ``body`` (GET without one) and answer the JSON; an error answer is a
+    :class:`CommandError` in the server's words."""
     r = client.post(path, json=body) if body is not None else client.get(path)
     if r.status_code >= 400:
         raise CommandError(error_text(r.status_code, r.content))
@@ -144,7 +146,7 @@ def _size(n: int | None) -> str:
 
 
 def _list(client: httpx.Client, console: Console) -> int:
-    data = _call(client, "/api/v1/models")
+    data = call(client, "/api/v1/models")
     table = Table(box=None, header_style="bold")
     for column in ("model", "state", "size", "context", "params", "quant"):
         table.add_column(column)
@@ -219,7 +221,7 @@ def _load(client: httpx.Client, console: Console, args: argparse.Namespace) -> i
 
 def _download(client: httpx.Client, console: Console, args: argparse.Namespace) -> int:
     body = {"model": args.source, **({"sha256": args.sha256} if args.sha256 else {})}
-    job = _call(client, "/api/v1/models/download", body)
+    job = call(client, "/api/v1/models/download", body)
     if job.get("status") == "already_downloaded":
         console.print(f"already downloaded: {job.get('model') or args.source}", highlight=False)
         return 0
@@ -244,6 +246,6 @@ def _download(client: httpx.Client, console: Console, args: argparse.Namespace) 
             if status in ("failed", "paused"):
                 raise CommandError(job.get("error") or f"the download {status}")
             time.sleep(POLL_SECONDS)
-            job = _call(client, f"/api/v1/models/download/status/{job['job_id']}")
+            job = call(client, f"/api/v1/models/download/status/{job['job_id']}")
     console.print(f"downloaded {job.get('model') or args.source}", highlight=False)
     return 0

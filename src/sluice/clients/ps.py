@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from sluice.clients.models import CommandError, add_server_args, error_text, talk
+from sluice.clients.models import add_server_args, call, talk
 
 WATCH_SECONDS = 1.0
 _STATE_STYLE = {"queued": "yellow", "prefilling": "cyan", "generating": "green"}
@@ -41,7 +41,7 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
 
     def work(client: httpx.Client) -> int:
         if args.cancel:
-            entry = _json(client.post(f"/v1/requests/{args.cancel}/cancel"))
+            entry = call(client, f"/v1/requests/{args.cancel}/cancel", {})
             shown.print(f"cancelled {entry['id']} ({entry['model']})", highlight=False)
             return 0
         if not args.watch:
@@ -58,14 +58,8 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
         return 0
 
 
-def _json(response: httpx.Response) -> Any:
-    if response.status_code >= 400:
-        raise CommandError(error_text(response.status_code, response.content))
-    return response.json()
-
-
 def _requests(client: httpx.Client) -> list[dict[str, Any]]:
-    data: list[dict[str, Any]] = _json(client.get("/v1/requests"))["data"]
+    data: list[dict[str, Any]] = call(client, "/v1/requests")["data"]
     return data
 
 

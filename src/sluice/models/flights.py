@@ -190,7 +190,7 @@ class Flights:
         self._by_id: dict[str, Flight] = {}
 
     def track(self, stream: Live, slot: str) -> None:
-        """Register ``stream`` until its meter finishes; returns it."""
+        """List ``stream`` until its meter finishes (its ``on_end``)."""
         if stream.meter.finished:
             return
         flight = Flight(self, stream, slot, CALLER.get(), "req_" + secrets.token_hex(12))
