@@ -18,38 +18,48 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
 
 class Interrupt:
-    __slots__ = ("_waiting", "error")
+    """See the module. :meth:`wait` for one await; on a per-token path, where a
+    coroutine per await costs, the reader sets :attr:`waiting` around its own await
+    and asks :meth:`claims` of a ``CancelledError`` (what :meth:`wait` does)."""
+
+    __slots__ = ("error", "waiting")
 
     def __init__(self) -> None:
         self.error: Exception | None = None
-        self._waiting: asyncio.Task[object] | None = None
+        self.waiting: asyncio.Task[Any] | None = None  # the reader, while it awaits
 
     async def wait(self, start: Callable[[], Awaitable[T]]) -> T:
         """``await start()``, unless :meth:`fire` ends it (or has) with its error."""
         if self.error is not None:
             raise self.error
         task = asyncio.current_task()
-        self._waiting = task
+        self.waiting = task
         try:
             return await start()
         except asyncio.CancelledError:
-            if self.error is None or task is None or task.uncancel() > 0:
-                raise  # not ours, or ours and someone else's too
-            raise self.error from None
+            error = self.error
+            if error is None or not self.claims(task):
+                raise
+            raise error from None
         finally:
-            self._waiting = None
+            self.waiting = None
+
+    def claims(self, task: asyncio.Task[Any] | None) -> bool:
+        """Whether the ``CancelledError`` ``task`` got is this interrupt's (taken back,
+        then): False for anyone else's, or ours and someone else's too."""
+        return self.error is not None and task is not None and task.uncancel() == 0
 
     def fire(self, error: Exception) -> bool:
         """End the current (or next) wait with ``error``; False if already fired."""
         if self.error is not None:
             return False
         self.error = error
-        if self._waiting is not None:
-            self._waiting.cancel()
+        if self.waiting is not None:
+            self.waiting.cancel()
         return True

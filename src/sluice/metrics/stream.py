@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any, Literal
 
@@ -71,23 +72,31 @@ class MeteredStream:
         return iterator
 
     async def _events(self) -> AsyncGenerator[Event, None]:
-        inner = aiter(self._stream)
+        step = aiter(self._stream).__anext__
+        interrupt = self._interrupt
+        task = asyncio.current_task()
         try:
-            while True:
+            # Interrupt.wait, inline: no coroutine per event on the token path.
+            while interrupt.error is None:
+                interrupt.waiting = task
                 try:
-                    event = await self._interrupt.wait(lambda: anext(inner))
+                    event = await step()
                 except StopAsyncIteration:
                     return
-                except SluiceError as error:
-                    if error is not self._interrupt.error:
+                except asyncio.CancelledError:
+                    if not interrupt.claims(task):
                         raise
-                    self._error = True
-                    self._finish()
-                    await self._stream.aclose()  # aborts the engine or the upstream request
-                    yield ErrorEvent(error)
-                    return
+                    break
+                finally:
+                    interrupt.waiting = None
                 self._observe(event)
                 yield event
+            error = interrupt.error
+            assert isinstance(error, SluiceError)
+            self._error = True
+            self._finish()
+            await self._stream.aclose()  # aborts the engine or the upstream request
+            yield ErrorEvent(error)
         except Exception:
             self._error = True
             raise

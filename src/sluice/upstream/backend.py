@@ -363,11 +363,11 @@ class Passthrough:
         """Whole SSE events, byte for byte, as they arrive."""
         sse = SSEDecoder()
         finished = False  # [DONE] or a finish_reason seen: a clean end is then complete
-        chunks = aiter(self.response.aiter_raw())
+        step = aiter(self.response.aiter_raw()).__anext__
         try:
             while True:
                 try:
-                    chunk = await self._interrupt.wait(lambda: anext(chunks))
+                    chunk = await self._interrupt.wait(step)
                 except StopAsyncIteration:
                     break
                 out: list[bytes] = []
