@@ -60,3 +60,54 @@ def test_a_template_with_a_system_role_keeps_it() -> None:
     assert chatml.supports_system
     out = chatml.render([{"role": "system", "content": "S"}, {"role": "user", "content": "U"}])
     assert out.startswith("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU")
+
+
+def test_features_of_the_families_templates() -> None:
+    """What real templates use and plain Jinja2 lacks or refuses."""
+    source = (
+        "{% set ns = namespace(seen=[]) %}"
+        "{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}"
+        "{% do ns.seen.append(m.role) %}{% generation %}[{{ m.content }}]{% endgeneration %}"
+        "{% if loop.index > 2 %}{% break %}{% endif %}{% endfor %}"
+        "{{ ns.seen | tojson }}|{{ messages | map(attribute='role') | tojson }}"
+        "|{{ 'x' + undefined_thing }}|{{ enable_thinking }}"
+        "|{{ {'b': 1, 'a': 2} | tojson(sort_keys=true, separators=(',', ':')) }}"
+    )
+    out = template(source).render(
+        [
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": "u"},
+            {"role": "assistant", "content": "a"},
+            {"role": "user", "content": "v"},
+        ]
+    )
+    assert out == (
+        '[u][a]["user", "assistant"]|["system", "user", "assistant", "user"]|x|True|{"a":2,"b":1}'
+    )
+
+
+def test_every_bundled_template_renders_a_conversation_with_tools() -> None:
+    from sluice.templates import bundled, names
+
+    params = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    tools = [
+        {"type": "function", "function": {"name": "f", "description": "d", "parameters": params}}
+    ]
+    call = {"id": "abcdef123", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "abcdef123", "content": "42"},
+        {"role": "assistant", "content": "It is 42."},
+        {"role": "user", "content": "Thanks"},
+    ]
+    failed = {}
+    for name in names():
+        t = template(bundled(name) or "")
+        try:
+            t.render(messages, extra={"tools": tools})
+        except TemplateError as exc:
+            failed[name] = str(exc)
+    # functionary v3.2 concatenates the arguments as text (it wants them as a string);
+    # Gemma 2 knows no tool role.
+    assert set(failed) <= {"meetkai-functionary-medium-v3.2", "google-gemma-2-2b-it"}, failed

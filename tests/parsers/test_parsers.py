@@ -295,7 +295,7 @@ def reasoning(opened: bool = False) -> Callable[[], StreamParser]:
         ("<think>Let me see.</think>\n\nHello!", False, "Hello!", "Let me see."),
         ("\n<think>\nhmm</think>Hi", False, "Hi", "\nhmm"),
         ("Let me see.</think>\nHello", True, "Hello", "Let me see."),
-        ("<think>x</think>y", True, "y", "x"),  # a redundant start tag is dropped
+        ("<think>x</think>y", True, "y", "<think>x"),  # as llama.cpp: reasoning text
         ("No thinking here. <think> is a tag.", False, "No thinking here. <think> is a tag.", ""),
         ("a < b", False, "a < b", ""),
         ("<thin", False, "<thin", ""),

@@ -127,14 +127,19 @@ class Settings:
         shown="none",
     )
     chat_template: str | None = setting(
-        None, "models", "Jinja chat template file overriding the model's own", shown="the GGUF's"
+        None,
+        "models",
+        "Jinja chat template overriding the model's own: a file, or a bundled family "
+        "template's name (e.g. Qwen3-Coder; see docs/formats.md)",
+        shown="the GGUF's",
     )
     tool_format: str | None = setting(
         None,
         "models",
-        "how the model writes tool calls ('generic' for templates without tool support)",
+        "how the model writes tool calls, over what its chat template shows ('generic': "
+        "tools described in a system prompt)",
         choices=("hermes", "llama3", "mistral", "generic"),
-        shown="detected from the chat template",
+        shown="learned from the chat template",
     )
     strict_model_names: bool = setting(
         False, "models", "answer 404 for an unknown 'model' instead of serving the default one"

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 Origin = Literal["packaged", "models_dir", "config", "path"]
+REPLAY = "replay:"  # a source that is recorded answers, not weights (sluice.engine.replay)
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,7 +23,7 @@ class ModelSpec:
     """
 
     name: str  # the key clients send as ``model``
-    source: str  # packaged model name or path to a .gguf file
+    source: str  # packaged model name, path to a .gguf file, or "replay:<answers.jsonl>"
     origin: Origin = "path"
     aliases: tuple[str, ...] = ()
     ctx: int | None = None  # tokens per sequence
@@ -34,6 +35,11 @@ class ModelSpec:
     ttl: float | None = None  # idle seconds before unloading; 0: never
     # default sampling (temperature, top_k, top_p, min_p) over the GGUF's declared one
     sampling: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def replay(self) -> str | None:
+        """The answers file of a replay model (``source = "replay:answers.jsonl"``)."""
+        return self.source[len(REPLAY) :] if self.source.startswith(REPLAY) else None
 
     def lookup_keys(self) -> tuple[str, ...]:
         """Its name and aliases, lower-cased: what a request's ``model`` is matched against."""

@@ -134,3 +134,17 @@ def tool_call_grammar(tools: list[ToolSpec], framing: CallFraming, *, max_calls:
     start = _around(framing.prefix, f"call{more}", framing.suffix)
     grammar = "\n".join([f"start: {start}", f"call: {call}", *rules]) + "\n"
     return check(grammar, "tools", "tool grammar")
+
+
+def after_reasoning(grammar: str, end: str) -> str:
+    """``grammar`` after the reasoning block the prompt opened: any text up to and
+    including ``end`` (the model must close its reasoning), whitespace, then the
+    grammar's own sentences."""
+    assert grammar.startswith("start:")
+    body = "answer:" + grammar[len("start:") :]
+    head = (
+        "start: thinking WS answer\n"
+        "WS: /[ \\t\\r\\n]*/\n"
+        f"thinking[stop={json.dumps(end)}]: /(.|\\n)*/\n"
+    )
+    return check(head + body, "tools", "grammar")

@@ -29,13 +29,15 @@ from sluice.core.request import (
 )
 from sluice.engine.engine import Engine
 from sluice.engine.types import EngineRequest
+from sluice.grammar.build import after_reasoning
 from sluice.local.parsing import parse_stream
 from sluice.local.plan import OutputPlan, ReasoningMarkers, ToolLimits
 from sluice.local.prompt import ControlTextGuard
 from sluice.local.stream import EventStream
 from sluice.local.templates import ChatTemplate
 from sluice.parsers.base import StreamParser
-from sluice.parsers.registry import detect_reasoning, detect_tool_format, template_opens_think
+from sluice.parsers.families import format_for
+from sluice.parsers.registry import template_opens_think
 
 log = logging.getLogger("sluice.serving")
 
@@ -73,9 +75,13 @@ class CompletionService:
         self.template = template
         self.options = options
         source = self.runner.info.chat_template if template.available else None
-        self.tool_format = options.tool_format or detect_tool_format(source)
-        markers = detect_reasoning(source)
-        self.reasoning = ReasoningMarkers(*markers) if markers else None
+        # The family's output format, learned from its template once, at load.
+        self.format = format_for(
+            source, template.render_probe if source else None, options.tool_format
+        )
+        self.tool_format = self.format.name
+        found = self.format.reasoning
+        self.reasoning = ReasoningMarkers(found.start, found.end) if found else None
         self.guard = ControlTextGuard(self.runner.control_texts)
         self.tool_limits = options.tool_limits
 
@@ -90,7 +96,7 @@ class CompletionService:
         """The output plan (tools, grammar, parsers) and the templated prompt's tokens."""
         assert body.messages is not None
         plan = OutputPlan.build(
-            body, fmt=self.tool_format, reasoning=self.reasoning, limits=self.tool_limits
+            body, fmt=self.format, reasoning=self.reasoning, limits=self.tool_limits
         )
         messages = plan.prepare_messages(body.messages)
         extra = {**plan.template_extra(), **(body.template_kwargs or {})}
@@ -101,10 +107,12 @@ class CompletionService:
             self.guard.escape(messages), extra=self.guard.escape(extra)
         )
         if plan.reasoning is not None:
-            # A grammar that engages from the first token leaves no room for reasoning:
-            # the output is the answer (or the calls) even if the template opened a block.
-            constrained = plan.grammar is not None and not plan.triggers
-            plan.reasoning_opened = template_opens_think(prompt_text) and not constrained
+            start, end = plan.reasoning.start, plan.reasoning.end
+            opened = template_opens_think(prompt_text, start, end) if start else True
+            plan.reasoning_opened = opened
+            if opened and plan.grammar is not None and not plan.triggers:
+                # The prompt opened a reasoning block: the grammar engages after it.
+                plan.grammar = after_reasoning(plan.grammar, end)
         return plan, self._tokenize_prompt(prompt_text)
 
     def prepare_chat(self, body: GenerationRequest) -> Generation:

@@ -22,7 +22,6 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -35,13 +34,15 @@ from sluice.core.events import Event
 from sluice.core.model import ModelSpec
 from sluice.core.request import LLAMA_CPP_SAMPLING, GenerationRequest, SamplerDefaults
 from sluice.engine.engine import Engine
+from sluice.engine.replay import ReplayRunner
 from sluice.engine.runner import Embedder, ModelRunner
 from sluice.engine.work import EngineConfig, EngineStats
 from sluice.local.completions import CompletionService, Generation, ServiceOptions
 from sluice.local.offload import Offload
 from sluice.local.plan import ToolLimits
 from sluice.local.stream import EventStream
-from sluice.local.templates import ChatTemplate
+from sluice.local.templates import ChatTemplate, read_template
+from sluice.parsers.analysis import analyze
 
 log = logging.getLogger("sluice.models")
 
@@ -74,6 +75,14 @@ class ModelSettings:
             tool_format=spec.tool_format or settings.tool_format,
             sampling=spec.sampling,
         )
+
+
+def _end_of_turn(template: str | None, name: str) -> str:
+    """The markup that ends an assistant turn in ``template`` (a replay model's EOG)."""
+    if not template:
+        return ""
+    chat = ChatTemplate(template, bos_token="", eos_token="", model_id=name)
+    return analyze(chat.render_probe, template).end_of_turn
 
 
 def shorten(vectors: npt.NDArray[np.float32], dimensions: int | None) -> npt.NDArray[np.float32]:
@@ -185,10 +194,22 @@ class LocalModel:
         from sluice.engine.llama_runner import LlamaRunner, LlamaRunnerConfig
 
         ms = ModelSettings.of(spec, options, settings)
-        template = None
-        if ms.chat_template:
-            template = Path(ms.chat_template).expanduser().read_text(encoding="utf-8")
+        template = read_template(ms.chat_template) if ms.chat_template else None
         started = time.perf_counter()
+        if spec.replay is not None:
+            replay = ReplayRunner.from_file(
+                spec.replay,
+                template,
+                model_id=spec.name,
+                n_ctx=ms.ctx,
+                n_parallel=ms.parallel,
+                n_batch=ms.batch,
+                end_of_turn=(_end_of_turn(template, spec.name),),
+            )
+            seconds = time.perf_counter() - started
+            return cls(
+                spec.name, replay, settings, offload, model_settings=ms, load_seconds=seconds
+            )
         runner = LlamaRunner.load(
             LlamaRunnerConfig(
                 model_path=spec.source,

@@ -25,6 +25,7 @@ from typing import Any
 
 from sluice.core.errors import InvalidRequest
 from sluice.core.request import GenerationRequest
+from sluice.core.syntax import OutputFormat, ToolSyntax
 from sluice.grammar import (
     CallFraming,
     ToolSpec,
@@ -32,8 +33,13 @@ from sluice.grammar import (
     json_schema_grammar,
     tool_call_grammar,
 )
+from sluice.grammar.native import supports, syntax_grammar
 from sluice.parsers import generic
 from sluice.parsers.base import StreamParser
+from sluice.parsers.elements import first_chunk
+from sluice.parsers.formatted import FormatParser, openers
+from sluice.parsers.harmony import HarmonyParser
+from sluice.parsers.markup import MarkupStripper
 from sluice.parsers.reasoning import ReasoningParser
 from sluice.parsers.registry import tool_parser
 
@@ -90,17 +96,30 @@ class OutputPlan:
     reasoning_opened: bool = False
     raw_tool_choice: str | dict[str, Any] | None = None
     parallel: bool = True
+    syntax: ToolSyntax | None = None  # the family's own call syntax (``fmt`` "auto")
+    markup: tuple[str, ...] = ()  # never content: the markup around the answer
 
     @classmethod
     def build(
         cls,
         body: GenerationRequest,
         *,
-        fmt: str,
-        reasoning: ReasoningMarkers | None,
+        fmt: str | OutputFormat,
+        reasoning: ReasoningMarkers | None = None,
         limits: ToolLimits = ToolLimits(),
     ) -> OutputPlan:
-        """The plan for ``body``; :class:`InvalidRequest` (400) naming the field if not."""
+        """The plan for ``body``; :class:`InvalidRequest` (400) naming the field if not.
+
+        ``fmt``: a hand-written format's name, or a family's :class:`OutputFormat`
+        (its reasoning markers then come from it)."""
+        syntax = None
+        markup: tuple[str, ...] = ()
+        if isinstance(fmt, OutputFormat):
+            if fmt.reasoning is not None and reasoning is None:
+                reasoning = ReasoningMarkers(fmt.reasoning.start, fmt.reasoning.end)
+            syntax = fmt.tools
+            markup = (fmt.content_start, fmt.content_end, *fmt.strip)
+            fmt = fmt.name
         tools = _validate_tools(body.tools, limits)
         choice = _tool_choice(body.tool_choice, tools)
         response_schema = _response_schema(body.response_format)
@@ -112,16 +131,20 @@ class OutputPlan:
             reasoning=reasoning,
             raw_tool_choice=body.tool_choice,
             parallel=body.parallel_tool_calls is not False,
+            syntax=syntax,
+            markup=tuple(m for m in markup if m),
         )
         json_grammar = _response_format_grammar(response_schema, limits)
-        if choice == "required" or choice.startswith("function:"):
+        trigger = first_chunk(syntax.opener) if syntax is not None else TRIGGERS.get(fmt)
+        constrainable = syntax is None or supports(syntax)
+        if (choice == "required" or choice.startswith("function:")) and constrainable:
             named = choice.split(":", 1)[1] if choice != "required" else None
-            plan.grammar = _call_grammar(tools, named, fmt, body.parallel_tool_calls, limits)
+            plan.grammar = _call_grammar(tools, named, fmt, body.parallel_tool_calls, syntax)
         elif json_grammar is not None:
             plan.grammar = json_grammar
-        elif choice == "auto" and TRIGGERS.get(fmt):
-            plan.grammar = _call_grammar(tools, None, fmt, body.parallel_tool_calls, limits)
-            plan.trigger_tag = TRIGGERS[fmt]
+        elif choice == "auto" and trigger and constrainable:
+            plan.grammar = _call_grammar(tools, None, fmt, body.parallel_tool_calls, syntax)
+            plan.trigger_tag = trigger
         return plan
 
     @property
@@ -155,12 +178,17 @@ class OutputPlan:
 
     @property
     def render_special(self) -> bool:
-        """Llama 3 and Mistral write their call markers as control tokens."""
+        """Llama 3, Mistral and most families' own formats write their markers as control
+        tokens (the parsers must see them)."""
+        if self.fmt == "harmony":  # its channels are control tokens, always
+            return True
+        if self.syntax is not None:
+            return self.uses_tools or self.reasoning is not None
         return self.uses_tools and self.fmt in ("llama3", "mistral")
 
     @property
     def has_parsers(self) -> bool:
-        return self.uses_tools or self.reasoning is not None
+        return self.uses_tools or self.reasoning is not None or bool(self.markup)
 
     def template_extra(self) -> dict[str, Any]:
         """Variables for a template with its own tool support."""
@@ -181,18 +209,47 @@ class OutputPlan:
                 out.insert(0, {"role": "system", "content": prompt})
         return out
 
+    def _call_openers(self) -> tuple[str, ...]:
+        if not self.uses_tools:
+            return ()
+        if self.syntax is not None:
+            return openers(self.syntax)
+        trigger = TRIGGERS.get(self.fmt)
+        return (trigger,) if trigger else ()
+
     def parsers(self, choice: int) -> list[StreamParser]:
         """The chain of streaming parsers for one choice (reasoning first)."""
+        if self.fmt == "harmony":  # gpt-oss: one parser for channels, reasoning and calls
+            return [HarmonyParser(choice)]
         chain: list[StreamParser] = []
         if self.reasoning is not None:
             chain.append(
                 ReasoningParser(
-                    choice, self.reasoning.start, self.reasoning.end, opened=self.reasoning_opened
+                    choice,
+                    self.reasoning.start,
+                    self.reasoning.end,
+                    opened=self.reasoning_opened,
+                    interrupt=self._call_openers(),
                 )
             )
+        if self.markup:
+            chain.append(MarkupStripper(choice, self.markup))
         if self.uses_tools:
-            chain.append(tool_parser(self.fmt, choice))
+            if self.syntax is not None:
+                chain.append(FormatParser(choice, self.syntax, _parameter_types(self.tools)))
+            else:
+                chain.append(tool_parser(self.fmt, choice))
         return chain
+
+
+def _parameter_types(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each tool's parameter schemas by name (how markup-written values are typed)."""
+    out: dict[str, dict[str, Any]] = {}
+    for tool in tools:
+        fn = tool["function"]
+        props = (fn.get("parameters") or {}).get("properties")
+        out[fn["name"]] = props if isinstance(props, dict) else {}
+    return out
 
 
 def _call_grammar(
@@ -200,9 +257,10 @@ def _call_grammar(
     only: str | None,
     fmt: str,
     parallel: bool | None,
-    limits: ToolLimits,
+    syntax: ToolSyntax | None,
 ) -> str:
-    """Calls of ``tools`` (or only the one named), arguments per each tool's schema."""
+    """Calls of ``tools`` (or only the one named), arguments per each tool's schema,
+    in the family's own syntax when it has one."""
     specs = [
         ToolSpec(
             t["function"]["name"],
@@ -212,7 +270,10 @@ def _call_grammar(
         for i, t in enumerate(tools)
         if only is None or t["function"]["name"] == only
     ]
-    return tool_call_grammar(specs, FRAMINGS[fmt], max_calls=_max_calls(parallel, len(specs)))
+    max_calls = _max_calls(parallel, len(specs))
+    if syntax is not None:
+        return syntax_grammar(specs, syntax, max_calls=max_calls)
+    return tool_call_grammar(specs, FRAMINGS[fmt], max_calls=max_calls)
 
 
 def _max_calls(parallel: bool | None, n_tools: int) -> int:

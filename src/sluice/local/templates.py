@@ -1,5 +1,13 @@
 """Chat templates: the GGUF's own Jinja template, rendered in a sandbox.
 
+Templates render as their makers wrote them for Hugging Face's and llama.cpp's
+renderers: ``{% break %}``/``{% continue %}``, ``{% generation %}`` blocks,
+``namespace``, list ``append`` and dict ``update``, ``tojson`` with its options,
+``raise_exception`` and ``strftime_now``; an undefined value concatenates as
+empty text, as llama.cpp's engine does. Every render sees ``enable_thinking``
+(true unless the request says otherwise), ``datetime`` and ``date_string``, as
+llama.cpp passes them.
+
 Example::
 
     template = ChatTemplate(source, bos_token="", eos_token="<|im_end|>")
@@ -10,12 +18,31 @@ from __future__ import annotations
 
 import datetime
 import json
+from pathlib import Path
 from typing import Any
 
 import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import SandboxedEnvironment
 
-from sluice.core.errors import MissingChatTemplate, TemplateError
+from sluice.core.errors import MissingChatTemplate, ModelLoadFailed, TemplateError
+from sluice.templates import bundled
+
+
+def read_template(value: str) -> str:
+    """A chat template override: a file's text, else the bundled template of that name
+    (``"Qwen3-Coder"``: see :mod:`sluice.templates`); :class:`ModelLoadFailed` if neither."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    found = bundled(path.name)
+    if found is None:
+        raise ModelLoadFailed(
+            f"No chat template at '{value}', and no bundled template named '{path.name}' "
+            "(sluice ships the families' templates of llama.cpp's models/templates/)."
+        )
+    return found
 
 
 class _TemplateRaised(Exception):
@@ -26,9 +53,74 @@ def _raise_exception(message: str) -> None:
     raise _TemplateRaised(message)
 
 
-def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, **_: Any) -> str:
+def _plain(value: Any) -> Any:
+    """A template value as JSON data: generators (``map``, ``select``) become lists,
+    undefined becomes null."""
+    if isinstance(value, jinja2.Undefined):
+        return None
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) or hasattr(value, "__next__"):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _tojson(
+    value: Any,
+    indent: int | None = None,
+    ensure_ascii: bool = False,
+    separators: Any = None,
+    sort_keys: bool = False,
+    **_: Any,
+) -> str:
     # Templates (HF convention) expect unescaped non-ASCII and no HTML escaping.
-    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii)
+    return json.dumps(
+        _plain(value),
+        indent=indent,
+        ensure_ascii=ensure_ascii,
+        separators=tuple(separators) if separators else None,
+        sort_keys=sort_keys,
+    )
+
+
+class _Lenient(jinja2.ChainableUndefined):
+    """An undefined value that reads as empty text in concatenation, as in llama.cpp's
+    engine (Jinja2 would raise on ``'x' + undefined``)."""
+
+    __slots__ = ()
+
+    def __add__(self, other: Any) -> Any:
+        return other if isinstance(other, str) else ""
+
+    def __radd__(self, other: Any) -> Any:
+        return other if isinstance(other, str) else ""
+
+
+class _Generation(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` (Hugging Face's marker of the
+    assistant's tokens, for training masks): renders its body unchanged."""
+
+    tags = {"generation"}  # noqa: RUF012 - Jinja2's own declaration is a set
+
+    def parse(self, parser: Any) -> Any:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+def environment() -> SandboxedEnvironment:
+    """The sandbox every chat template renders in."""
+    env = SandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        undefined=_Lenient,
+        extensions=[jinja2.ext.loopcontrols, jinja2.ext.do, _Generation],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
 
 
 def _strftime_now(fmt: str) -> str:
@@ -49,14 +141,8 @@ class ChatTemplate:
         self._compile_error: str | None = None
         self._system: bool | None = None  # whether it takes a system message (probed)
         if source:
-            env = ImmutableSandboxedEnvironment(
-                trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True
-            )
-            env.filters["tojson"] = _tojson
-            env.globals["raise_exception"] = _raise_exception
-            env.globals["strftime_now"] = _strftime_now
             try:
-                self._template = env.from_string(source)
+                self._template = environment().from_string(source)
             except jinja2.TemplateError as exc:
                 self._compile_error = str(exc)
 
@@ -83,14 +169,24 @@ class ChatTemplate:
         self, messages: list[dict[str, Any]], add_generation_prompt: bool, extra: Any
     ) -> str:
         assert self._template is not None
+        now = datetime.datetime.now()
         context: dict[str, Any] = {
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
+            "enable_thinking": True,
+            "datetime": now.strftime("%b %d %Y"),
+            "date_string": now.strftime("%d %b %Y"),
             **(extra or {}),
             "messages": messages,
             "add_generation_prompt": add_generation_prompt,
         }
         return self._template.render(**context)
+
+    def render_probe(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, extra: dict[str, Any]
+    ) -> str:
+        """Render for template analysis (``sluice.parsers.analysis.Render``)."""
+        return self.render(messages, add_generation_prompt=add_generation_prompt, extra=extra)
 
     def render(
         self,

@@ -35,7 +35,7 @@ from typing import Any
 from sluice.config import Settings, default_models_dir
 from sluice.config.file import ConfigError, ConfigFile, describe_value
 from sluice.core.errors import EngineFailure
-from sluice.core.model import ModelSpec
+from sluice.core.model import REPLAY, ModelSpec
 from sluice.parsers.registry import TOOL_FORMATS
 
 
@@ -106,7 +106,7 @@ def resolve_source(spec: ModelSpec) -> Path:
     factory = PACKAGED.get(spec.source.lower())
     if factory is not None:
         return factory().path
-    path = Path(spec.source).expanduser()
+    path = Path(spec.replay or spec.source).expanduser()
     if not path.is_file():
         raise EngineFailure(f"The model '{spec.name}' has no file at '{spec.source}'.")
     return path
@@ -115,7 +115,10 @@ def resolve_source(spec: ModelSpec) -> Path:
 def resolved(spec: ModelSpec) -> ModelSpec:
     """``spec`` with its source resolved to the .gguf file to load (blocking: a packaged
     model may be assembled first)."""
-    return replace(spec, source=str(resolve_source(spec)))
+    path = resolve_source(spec)
+    if spec.replay is not None:
+        return replace(spec, source=REPLAY + str(path))
+    return replace(spec, source=str(path))
 
 
 # -- the models folder ----------------------------------------------------------
@@ -300,9 +303,13 @@ def _entry(file: Path, index: int, table: dict[str, Any]) -> ModelSpec:
     source = e.text("source", required=True)
     assert name is not None and source is not None
     template = e.text("chat_template")
+    if source.startswith(REPLAY):
+        source = REPLAY + e.path(source[len(REPLAY) :])
+    elif source.lower() not in PACKAGED:
+        source = e.path(source)
     return ModelSpec(
         name=name,
-        source=source if source.lower() in PACKAGED else e.path(source),
+        source=source,
         origin="config",
         aliases=_aliases(e),
         ctx=e.integer("ctx"),

@@ -19,8 +19,9 @@ from typing import Any
 from sluice.config import Settings
 from sluice.core.errors import ModelLoadFailed, SluiceError
 from sluice.core.model import ModelSpec
+from sluice.local.templates import read_template
 from sluice.models.catalog import resolve_source
-from sluice.models.gguf import GgufError, GgufInfo, read_gguf_info
+from sluice.models.gguf import GgufError, GgufInfo, read_gguf_info, replay_info
 from sluice.parsers.registry import detect_reasoning
 
 log = logging.getLogger("sluice.models")
@@ -41,6 +42,8 @@ def read_model_file(spec: ModelSpec, settings: Settings) -> ModelFile:
 
     Raises :class:`ModelLoadFailed` when the file cannot be found or read.
     """
+    if spec.replay is not None:
+        return _replay_file(spec, settings)
     try:
         path = resolve_source(spec)
         info = read_gguf_info(path)
@@ -52,11 +55,25 @@ def read_model_file(spec: ModelSpec, settings: Settings) -> ModelFile:
     if override is None:
         return ModelFile(info, publisher, info.chat_template, info.supports_tools)
     try:
-        template = Path(override).expanduser().read_text(encoding="utf-8")
-    except OSError as exc:  # loading will say so; the listing shows the GGUF's
+        template = read_template(override)
+    except (OSError, SluiceError) as exc:  # loading will say so; the listing shows the GGUF's
         log.warning("cannot read chat template %s: %s", override, exc)
         return ModelFile(info, publisher, info.chat_template, info.supports_tools)
     return ModelFile(info, publisher, template, "tools" in template)
+
+
+def _replay_file(spec: ModelSpec, settings: Settings) -> ModelFile:
+    """A replay model's listing: no weights; its answers file and its template."""
+    assert spec.replay is not None
+    override = spec.chat_template or settings.chat_template
+    try:
+        size = Path(spec.replay).stat().st_size
+        template = read_template(override) if override else None
+    except (OSError, SluiceError) as exc:
+        message = exc.message if isinstance(exc, SluiceError) else str(exc)
+        raise ModelLoadFailed(f"Cannot read model '{spec.name}': {message}") from exc
+    info = replay_info(spec.replay, size, template, spec.ctx or settings.ctx)
+    return ModelFile(info, "local", template, info.supports_tools)
 
 
 def read_all_model_files(specs: list[ModelSpec], settings: Settings) -> dict[str, ModelFile | None]:

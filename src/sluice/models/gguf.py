@@ -95,6 +95,38 @@ class GgufInfo:
     block_type_bytes: tuple[tuple[str, int], ...]  # blk.* tensor bytes by type: ("Q4_K", n)
 
 
+def replay_info(path: str, size: int, template: str | None, ctx: int) -> GgufInfo:
+    """What a listing shows of a replay model (recorded answers, no weights)."""
+    return GgufInfo(
+        path=path,
+        file_size=size,
+        architecture="replay",
+        name=None,
+        organization=None,
+        size_label=None,
+        params_string="0",
+        n_params=0,
+        tensor_bytes=0,
+        quantization="none",
+        bits_per_weight=0.0,
+        n_vocab=0,
+        context_length=ctx,
+        block_count=0,
+        embedding_length=0,
+        feed_forward_length=0,
+        head_count=0,
+        head_count_kv=0,
+        key_length=0,
+        value_length=0,
+        sliding_window=None,
+        chat_template=template,
+        supports_tools=bool(template and "tools" in template),
+        sampling={},
+        layer_bytes=(),
+        block_type_bytes=(),
+    )
+
+
 # -- the header -----------------------------------------------------------------
 
 

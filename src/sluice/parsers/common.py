@@ -122,11 +122,16 @@ class CallEmitter:
                 self._ids.add(call_id)
                 return call_id
 
-    def start(self, name: str) -> list[Event]:
+    def start(self, name: str, call_id: str | None = None) -> list[Event]:
+        """Open a call; ``call_id``: the model's own id for it (kept if unused so far)."""
         events = self.end()  # a new call implies the previous one is over
         self.open = True
         self.count += 1
-        return [*events, ToolCallStart(self.choice, self.count - 1, self.new_id(), name)]
+        if call_id and call_id not in self._ids:
+            self._ids.add(call_id)
+        else:
+            call_id = self.new_id()
+        return [*events, ToolCallStart(self.choice, self.count - 1, call_id, name)]
 
     def arguments(self, text: str) -> list[Event]:
         if not text or not self.open:

@@ -174,6 +174,7 @@ class _State(Enum):
     COLON = auto()
     VALUE = auto()  # expecting a value
     NAME_STR = auto()
+    ID_STR = auto()  # the call's id (with ``id_key``)
     ARGS = auto()
     SKIP = auto()  # a value of some other key
     AFTER = auto()  # after a value: ',' or '}'
@@ -206,18 +207,25 @@ class ToolCallScanner:
         "_state",
         "_tok",
         "argument_keys",
+        "call_id",
         "done",
         "failed",
+        "id_key",
         "name",
         "name_key",
         "raw",
     )
 
     def __init__(
-        self, name_key: str = "name", argument_keys: tuple[str, ...] = ("arguments", "parameters")
+        self,
+        name_key: str = "name",
+        argument_keys: tuple[str, ...] = ("arguments", "parameters"),
+        id_key: str | None = None,
     ) -> None:
         self.name_key = name_key
         self.argument_keys = argument_keys
+        self.id_key = id_key
+        self.call_id: str | None = None
         self.name: str | None = None
         self.done = False
         self.failed = False
@@ -270,7 +278,7 @@ class ToolCallScanner:
                 if value.done:
                     self._state = _State.AFTER
                 continue
-            if state is _State.KEY_STR or state is _State.NAME_STR:
+            if state is _State.KEY_STR or state is _State.NAME_STR or state is _State.ID_STR:
                 i, closed = self._string(text, i)
                 if closed and not self._string_end(state, step):
                     return self._fail(i)
@@ -297,7 +305,7 @@ class ToolCallScanner:
                 self._value(c)
                 if self._state is _State.NAME_STR and c != '"':
                     return self._fail(i)
-                if self._state is not _State.NAME_STR:
+                if self._state is not _State.NAME_STR and self._state is not _State.ID_STR:
                     continue  # the value scanner takes this character
             elif state is _State.AFTER:
                 if c == ",":
@@ -342,6 +350,10 @@ class ToolCallScanner:
             self._key = str(value)
             self._state = _State.COLON
             return True
+        if state is _State.ID_STR:
+            self.call_id = str(value)
+            self._state = _State.AFTER
+            return True
         if not value:
             return False  # an empty name is no call
         self.name = step.name = str(value)
@@ -351,6 +363,8 @@ class ToolCallScanner:
     def _value(self, c: str) -> None:
         if self._key == self.name_key and self.name is None:
             self._state, self._tok = _State.NAME_STR, ""
+        elif self._key == self.id_key and self.call_id is None and c == '"':
+            self._state, self._tok = _State.ID_STR, ""
         elif self._key in self.argument_keys and self._args is None:
             self._args = ArgsCollector()
             self._state = _State.ARGS

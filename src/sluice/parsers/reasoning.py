@@ -26,25 +26,35 @@ class _State(Enum):
     REASONING = auto()
     AFTER_END = auto()  # just closed: drop the whitespace that follows the end tag
     CONTENT = auto()  # pass-through
+    HELD = auto()  # a call's markup inside reasoning: held until the reasoning closes or not
 
 
 class ReasoningParser:
     """Text inside ``start``/``end`` markers as reasoning, outside as content.
 
     ``opened=True`` means the prompt already ends with the start tag, so the
-    output begins inside reasoning (a redundant start tag is dropped too).
+    output begins inside reasoning (a start tag written again is reasoning text, as
+    llama.cpp reads it). ``interrupt``: a tool call's opening markup; inside reasoning
+    that never closes it ends the reasoning (a model that calls without closing its
+    reasoning first), inside reasoning that closes later it is reasoning text.
     """
 
-    __slots__ = ("_buf", "_state", "choice", "end", "opened", "start")
+    __slots__ = ("_buf", "_state", "choice", "end", "interrupt", "opened", "start")
 
     def __init__(
-        self, choice: int, start: str = "<think>", end: str = "</think>", opened: bool = False
+        self,
+        choice: int,
+        start: str = "<think>",
+        end: str = "</think>",
+        opened: bool = False,
+        interrupt: tuple[str, ...] = (),
     ) -> None:
         self.choice = choice
         self.start = start
         self.end = end
         self.opened = opened
-        self._state = _State.START
+        self.interrupt = tuple(m for m in interrupt if m)
+        self._state = _State.REASONING if opened else _State.START
         self._buf = ""
 
     @property
@@ -63,15 +73,30 @@ class ReasoningParser:
             elif self._state is _State.REASONING:
                 buf = self._buf
                 at = buf.find(self.end)
+                cut = self._interrupted(buf, at)
+                if cut is not None:
+                    # A call's markup inside reasoning: a call if the reasoning never
+                    # closes, reasoning text if it does. Hold it until one is known.
+                    self._reasoning(events, buf[:cut])
+                    self._buf = buf[cut:]
+                    self._state = _State.HELD
+                    continue
                 if at != -1:
                     self._reasoning(events, buf[:at])
                     self._buf = buf[at + len(self.end) :]
                     self._state = _State.AFTER_END
                     continue
-                keep = partial_tag_len(buf, (self.end,))
+                keep = partial_tag_len(buf, (self.end, *self.interrupt))
                 self._reasoning(events, buf[: len(buf) - keep])
                 self._buf = buf[len(buf) - keep :]
                 break
+            elif self._state is _State.HELD:
+                at = self._buf.find(self.end)
+                if at == -1:
+                    break
+                self._reasoning(events, self._buf[:at])
+                self._buf = self._buf[at + len(self.end) :]
+                self._state = _State.AFTER_END
             elif self._state is _State.AFTER_END:
                 rest = self._buf.lstrip(WHITESPACE)
                 self._buf = rest
@@ -84,6 +109,8 @@ class ReasoningParser:
 
     def flush(self) -> list[Event]:
         buf, self._buf = self._buf, ""
+        if self._state is _State.HELD:  # never closed: the reasoning ended at the call
+            return [TextDelta(self.choice, buf)]
         if not buf or self._state in (_State.AFTER_END, _State.CONTENT):
             return []
         if self._state is _State.REASONING or self.opened:
@@ -101,6 +128,15 @@ class ReasoningParser:
             return False  # only whitespace, or a possible start tag so far
         self._state = _State.REASONING if self.opened else _State.CONTENT
         return True
+
+    def _interrupted(self, buf: str, end_at: int) -> int | None:
+        """Where an interrupting marker starts in ``buf``, if before the end tag."""
+        best = None
+        for marker in self.interrupt:
+            at = buf.find(marker)
+            if at != -1 and (end_at == -1 or at < end_at) and (best is None or at < best):
+                best = at
+        return best
 
     def _reasoning(self, events: list[Event], text: str) -> None:
         if text:

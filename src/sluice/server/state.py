@@ -115,6 +115,8 @@ def build_state(
         def estimate(spec: ModelSpec, options: LoadOptions) -> int:
             from sluice.engine.llama_runner import gpu_offload_supported
 
+            if spec.replay is not None:
+                return 0  # recorded answers: no weights, no KV cache
             ms = ModelSettings.of(spec, options, settings)
             info = read_gguf_info(catalog.resolve_source(spec))
             return estimate_memory(

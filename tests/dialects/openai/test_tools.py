@@ -622,12 +622,14 @@ def test_template_opened_think_block(r1: Server, redundant: bool) -> None:
     prompt = r1.script(body, [*start, b"I should", b" add.</th", b"ink>\n\n", b"4", EOS])
     assert prompt.endswith("<|im_start|>assistant\n<think>\n")
     chunks = r1.stream(body)
-    assert reasoning_text(chunks).strip() == "I should add."
+    # A start tag written again is reasoning text, as llama.cpp reads it.
+    again = "<think>\n" if redundant else ""
+    assert reasoning_text(chunks).strip() == f"{again}I should add."
     assert chat_text(chunks) == "4"
     assert finishes(chunks) == {0: ["stop"]}
     message = r1.once(body)["choices"][0]["message"]
     assert message["content"] == "4"
-    assert message["reasoning_content"].strip() == "I should add."
+    assert message["reasoning_content"].strip() == f"{again}I should add."
 
 
 def test_opened_think_cut_by_max_tokens(r1: Server) -> None:
@@ -640,26 +642,29 @@ def test_opened_think_cut_by_max_tokens(r1: Server) -> None:
 
 
 @pytest.mark.parametrize("how", ["json_schema", "required"])
-def test_grammar_from_the_start_beats_an_opened_think_block(r1: Server, how: str) -> None:
-    # Constrained from the first token, the model cannot reason: what it writes
-    # is the answer (or the call), not reasoning, although the prompt opened <think>.
+def test_a_grammar_from_the_start_comes_after_an_opened_think_block(r1: Server, how: str) -> None:
+    # The prompt opened <think>: the grammar lets the model reason and close the block,
+    # then constrains the answer (or the call); without a think block llama.cpp's way.
     if how == "json_schema":
         body = ask(
             "opened json",
             response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}},
         )
-        items: list[Any] = [b'{"answer"', b": 4}", EOS]
+        items: list[Any] = [b"Four.</think>\n", b'{"answer"', b": 4}", EOS]
     else:
         body = ask("opened call", tools=TOOLS, tool_choice="required")
-        items = ONE_CALL
+        items = [b"Weather.</think>\n", *ONE_CALL]
     prompt = r1.script(body, items)
     assert prompt.endswith("<think>\n")
     chunks = r1.stream(body)
-    assert r1.last_params().grammar and r1.last_params().grammar_triggers == ()
-    assert reasoning_text(chunks) == ""
+    grammar = r1.last_params().grammar
+    assert grammar and r1.last_params().grammar_triggers == ()
+    assert grammar.startswith("start: thinking WS answer")
+    assert 'thinking[stop="</think>"]' in grammar
     calls = streamed_calls(chunks)
     message = r1.once(body)["choices"][0]["message"]
-    assert "reasoning_content" not in message
+    assert reasoning_text(chunks) == message["reasoning_content"]
+    assert reasoning_text(chunks).strip() in ("Four.", "Weather.")
     if how == "json_schema":
         assert json.loads(chat_text(chunks)) == json.loads(message["content"]) == {"answer": 4}
         assert finishes(chunks) == {0: ["stop"]}

@@ -1,0 +1,142 @@
+"""A model family's output format as data: how it writes reasoning, content and tool calls.
+
+One :class:`OutputFormat` describes a family. Template analysis
+(:mod:`sluice.parsers.analysis`) learns it from the chat template; the few
+families whose shape analysis cannot see are written out in
+:mod:`sluice.parsers.families`. One streaming parser
+(:class:`sluice.parsers.formatted.FormatParser`) and one grammar builder read it.
+
+A tool call is a sequence of elements, matched in order::
+
+    # Qwen3-Coder: <tool_call>\\n<function=NAME>\\n<parameter=K>\\nV\\n</parameter>\\n</function>\\n</tool_call>
+    ToolSyntax(call=(Lit("<tool_call>\\n<function="), Name(), Lit(">\\n"),
+                     TaggedArgs("<parameter=", ">\\n", "", "\\n</parameter>\\n"),
+                     Lit("</function>\\n</tool_call>")), separator="\\n")
+
+A literal matches its text with any whitespace (or none) where the text has
+whitespace and before it: models do not always space their markup the way
+their template does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class Lit:
+    """Markup written as it is."""
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Name:
+    """The function's name: letters, digits, ``_ - .``."""
+
+
+@dataclass(frozen=True, slots=True)
+class CallId:
+    """The model's id for the call, up to the next markup (kept as the call's id)."""
+
+
+@dataclass(frozen=True, slots=True)
+class IdName:
+    """An id that holds the name (Kimi's ``functions.NAME:0``): kept whole as the
+    call's id; the name is what comes between ``prefix`` and ``sep``."""
+
+    prefix: str = "functions."
+    sep: str = ":"
+
+
+@dataclass(frozen=True, slots=True)
+class JsonArgs:
+    """The arguments as one JSON object, passed on as written."""
+
+
+# In TaggedArgs.key_suffix: where the markup says true or false for "the value is a
+# string" (DeepSeek's DSML: <｜DSML｜parameter name="x" string="false">42</...>).
+STRING_FLAG = "{string}"
+
+
+@dataclass(frozen=True, slots=True)
+class TaggedArgs:
+    """Arguments one by one in markup: ``key_prefix K key_suffix value_prefix V
+    value_suffix``, repeated. A value is JSON when it parses as JSON and its
+    parameter is not a string; else a string."""
+
+    key_prefix: str
+    key_suffix: str
+    value_prefix: str
+    value_suffix: str
+
+
+@dataclass(frozen=True, slots=True)
+class CallObject:
+    """The whole call as a JSON object: ``{"<name_key>": NAME, "<args_key>": {...}}``
+    (the arguments may be a JSON string holding the object), or with
+    ``name_is_key`` ``{"NAME": {...}}``."""
+
+    name_key: str = "name"
+    args_keys: tuple[str, ...] = ("arguments", "parameters")
+    id_key: str | None = None
+    name_is_key: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class GemmaArgs:
+    """Gemma 4's arguments: ``{key:value,...}`` with bare keys and strings between
+    ``<|"|>`` marks (numbers, booleans, null, lists and objects as in JSON)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PythonArgs:
+    """Python keyword arguments in parentheses: ``(a=1, b="x", c=[1, 2])``."""
+
+
+Element = Lit | Name | CallId | IdName | JsonArgs | TaggedArgs | CallObject | PythonArgs | GemmaArgs
+
+
+@dataclass(frozen=True, slots=True)
+class ToolSyntax:
+    """How calls are written: ``section_start call (separator call)* section_end``.
+
+    Without a ``section_start`` each call's first literal opens it.
+    """
+
+    call: tuple[Element, ...]
+    section_start: str = ""
+    section_end: str = ""
+    separator: str = ""
+
+    @property
+    def opener(self) -> str:
+        """The markup that starts the tool calls in the output."""
+        if self.section_start:
+            return self.section_start
+        first = self.call[0] if self.call else None
+        return first.text if isinstance(first, Lit) else ""
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningSyntax:
+    """Reasoning between ``start`` and ``end``; an empty ``start`` means the output
+    begins with reasoning whenever the generation prompt asks for it."""
+
+    start: str
+    end: str
+
+
+@dataclass(frozen=True, slots=True)
+class OutputFormat:
+    """A family's output format (see the module's doc)."""
+
+    name: str
+    tools: ToolSyntax | None = None
+    reasoning: ReasoningSyntax | None = None
+    content_start: str = ""  # markup around the answer (Command R's <|START_RESPONSE|>)
+    content_end: str = ""
+    end_of_turn: str = ""  # markup that ends the turn (never content)
+    strip: tuple[str, ...] = ()  # other markup that is never content
+    # Markup the model writes as special tokens, to keep in the text it returns.
+    special: tuple[str, ...] = field(default=())

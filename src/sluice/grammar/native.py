@@ -1,0 +1,136 @@
+"""Tool calls constrained in the model's own syntax (a :class:`ToolSyntax`).
+
+The grammar writes each call exactly as the family's template shows it: the
+markup as literals, the function's name as one of the offered names, the
+arguments as the tool's JSON schema (``%json``) or, for markup-written
+arguments, each declared parameter in declaration order (required ones always,
+optional ones maybe), a string parameter's value as any text without the
+closing markup, any other as JSON per its schema.
+
+Example::
+
+    g = syntax_grammar([ToolSpec("get_weather", schema)], qwen3_coder.tools, max_calls=1)
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from sluice.core.errors import InvalidRequest
+from sluice.core.syntax import (
+    STRING_FLAG,
+    CallId,
+    CallObject,
+    Element,
+    GemmaArgs,
+    IdName,
+    JsonArgs,
+    Lit,
+    Name,
+    PythonArgs,
+    TaggedArgs,
+    ToolSyntax,
+)
+from sluice.grammar.build import _literal, _schema, check
+from sluice.grammar.spec import ToolSpec
+
+_ID = r"/[A-Za-z0-9]{9}/"
+
+
+def supports(syntax: ToolSyntax) -> bool:
+    """Whether calls of ``syntax`` can be constrained (Python-style and Gemma 4's
+    arguments cannot, yet)."""
+    return not any(isinstance(e, (PythonArgs, GemmaArgs)) for e in syntax.call)
+
+
+def syntax_grammar(tools: list[ToolSpec], syntax: ToolSyntax, *, max_calls: int) -> str:
+    """Output that is one to ``max_calls`` calls of ``tools`` written in ``syntax``
+    (from its opening markup on)."""
+    if not tools:
+        raise InvalidRequest("No tools to call.", param="tools")
+    rules: list[str] = []
+    names = []
+    for i, tool in enumerate(tools):
+        check(
+            f"start: {_schema(tool.parameters or {'type': 'object'}, tool.param)}\n",
+            tool.param,
+            "JSON schema",
+        )
+        parts = [_element(e, i, tool, rules) for e in syntax.call]
+        rules.append(f"tool_{i}: " + " ".join(p for p in parts if p))
+        names.append(f"tool_{i}")
+    sep = _literal(syntax.separator) if syntax.separator else ""
+    more = ""
+    if max_calls > 1:
+        more = f" ({sep + ' ' if sep else ''}call){{0,{max_calls - 1}}}"
+    body = f"call{more}"
+    start = " ".join(p for p in (_lit(syntax.section_start), body, _lit(syntax.section_end)) if p)
+    grammar = "\n".join([f"start: {start}", f"call: {' | '.join(names)}", *rules]) + "\n"
+    return check(grammar, "tools", "tool grammar")
+
+
+def _lit(text: str) -> str:
+    return _literal(text) if text else ""
+
+
+def _element(element: Element, i: int, tool: ToolSpec, rules: list[str]) -> str:
+    params = tool.parameters or {"type": "object"}
+    if isinstance(element, Lit):
+        return _lit(element.text)
+    if isinstance(element, Name):
+        return _literal(tool.name)
+    if isinstance(element, CallId):
+        return _ID
+    if isinstance(element, IdName):
+        return f"{_literal(element.prefix + tool.name + element.sep)} /[0-9]{{1,3}}/"
+    if isinstance(element, JsonArgs):
+        rules.append(f"args_{i}: {_schema(params, tool.param)}")
+        return f"args_{i}"
+    if isinstance(element, CallObject):
+        rules.append(f"args_{i}: {_schema(params, tool.param)}")
+        if element.name_is_key:
+            return f"{_literal('{' + json.dumps(tool.name) + ': ')} args_{i} {_literal('}')}"
+        head = f'{{"{element.name_key}": {json.dumps(tool.name)}, "{element.args_keys[0]}": '
+        tail = _literal("}")
+        if element.id_key:
+            tail = f'{_literal(f", {json.dumps(element.id_key)}: ")} "\\"" {_ID} "\\"" {tail}'
+        return f"{_literal(head)} args_{i} {tail}"
+    if isinstance(element, TaggedArgs):
+        return _tagged(element, i, params, tool, rules)
+    raise InvalidRequest(f"Calls of this model's format cannot be constrained ({element!r}).")
+
+
+def _tagged(
+    spec: TaggedArgs, i: int, params: dict[str, Any], tool: ToolSpec, rules: list[str]
+) -> str:
+    found = params.get("properties")
+    props: dict[str, Any] = found if isinstance(found, dict) else {}
+    required = set(params.get("required") or []) if isinstance(params, dict) else set()
+    seq = []
+    for j, (key, schema) in enumerate(props.items()):
+        rule = f"p_{i}_{j}"
+        flag = "true" if _is_string(schema) else "false"
+        suffix = spec.key_suffix.replace(STRING_FLAG, flag)
+        head = _lit(spec.key_prefix + key + suffix + spec.value_prefix)
+        choices = schema.get("enum") if isinstance(schema, dict) else None
+        if _is_string(schema) and isinstance(choices, list) and choices:
+            # One of the listed strings, written as it is.
+            alts = " | ".join(_literal(str(c)) for c in choices)
+            rules.append(f"v_{i}_{j}: {alts}")
+            parts = [head, f"v_{i}_{j}", _lit(spec.value_suffix)]
+        elif _is_string(schema):
+            # Any text up to the closing markup (a lazy lexeme: it ends at the first one).
+            rules.append(f"v_{i}_{j}[stop={json.dumps(spec.value_suffix)}]: /(.|\\n)*/")
+            parts = [head, f"v_{i}_{j}"]
+        else:
+            value = schema if isinstance(schema, dict) else {}
+            rules.append(f"v_{i}_{j}: {_schema(value, tool.param)}")
+            parts = [head, f"v_{i}_{j}", _lit(spec.value_suffix)]
+        rules.append(f"{rule}: " + " ".join(p for p in parts if p))
+        seq.append(rule if key in required else f"{rule}?")
+    return " ".join(seq)
+
+
+def _is_string(schema: Any) -> bool:
+    return isinstance(schema, dict) and schema.get("type") == "string"

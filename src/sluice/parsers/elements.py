@@ -1,0 +1,543 @@
+"""Incremental readers for the elements of a tool call (see :mod:`sluice.core.syntax`).
+
+Each reader is fed the unread text and an index into it, and returns the
+index after what it took and its status: ``DONE`` (the element is complete;
+what follows is the next element's), ``MORE`` (all taken, more text needed)
+or ``FAIL`` (the text is not this element). A reader keeps what it needs of
+the text it took, so the caller may drop it. With ``final`` the text has
+ended: a reader decides with what it has.
+
+Readers report what they learn through their attributes: a name, a call id,
+argument text (``take()``: the arguments' JSON text decided since the last
+call; the joined pieces are the arguments' JSON).
+
+Example::
+
+    lit = LitReader("<tool_call>\\n<function=")
+    i, status = lit.feed("<tool_call><function=get", 0, final=False)   # (21, DONE)
+"""
+
+from __future__ import annotations
+
+import ast
+import enum
+import json
+import re
+from typing import Any
+
+from sluice.core.syntax import STRING_FLAG, CallObject, TaggedArgs
+from sluice.parsers.common import WHITESPACE, partial_tag_len
+from sluice.parsers.jsonscan import ArgsCollector, ToolCallScanner
+
+NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
+
+
+class Status(enum.Enum):
+    DONE = "done"
+    MORE = "more"
+    FAIL = "fail"
+
+
+DONE, MORE, FAIL = Status.DONE, Status.MORE, Status.FAIL
+
+
+def skip_ws(text: str, i: int) -> int:
+    n = len(text)
+    while i < n and text[i] in WHITESPACE:
+        i += 1
+    return i
+
+
+# Markup's pieces: a tag (or its opening part), a bracketed word, a closing ] or >, or a
+# run of other text; whitespace may come between any two (models space markup freely).
+_PIECE = re.compile(r"<[^<>\s]*>?|\[[^\[\]\s]*\]?|[\]>]|[^<\[\]>\s]+")
+
+
+def chunks(text: str) -> list[str]:
+    """``text``'s pieces of markup, whitespace dropped."""
+    return _PIECE.findall(text)
+
+
+def first_chunk(text: str) -> str:
+    """The first piece of markup in ``text`` ("" for whitespace only)."""
+    found = _PIECE.search(text)
+    return found.group() if found else ""
+
+
+class LitReader:
+    """Markup: its non-whitespace runs in order, any whitespace before and between;
+    whitespace the markup ends with is taken when the text has it."""
+
+    __slots__ = ("_chunk", "_off", "_tail", "chunks", "lenient", "trailing")
+
+    def __init__(self, text: str, lenient: bool = False) -> None:
+        self.chunks = chunks(text)
+        # Closing markup: when the text ends after its first piece, it counts as written
+        # (a model stops at its end-of-turn token where the template writes more).
+        self.lenient = lenient
+        self.trailing = text[len(text.rstrip()) :] if self.chunks else ""
+        self._chunk = 0  # the chunk being matched
+        self._off = 0  # characters of it matched so far
+        self._tail = 0  # characters of ``trailing`` matched so far
+
+    def skip_to(self, chunk: str) -> None:
+        """Start matching at ``chunk`` (the earlier pieces were left out)."""
+        if chunk in self.chunks:
+            self._chunk = self.chunks.index(chunk)
+            self._off = 0
+
+    def feed(self, text: str, i: int, final: bool) -> tuple[int, Status]:
+        n = len(text)
+        chunks = self.chunks
+        while self._chunk < len(chunks):
+            chunk = chunks[self._chunk]
+            if self._off == 0:
+                i = skip_ws(text, i)
+            if i >= n:
+                if final:
+                    return i, DONE if self.lenient and self._chunk > 0 else FAIL
+                return i, MORE
+            want = chunk[self._off :]
+            got = text[i : i + len(want)]
+            if not want.startswith(got):
+                return i, FAIL
+            i += len(got)
+            self._off += len(got)
+            if self._off < len(chunk):
+                return i, FAIL if final else MORE
+            self._chunk += 1
+            self._off = 0
+        while self._tail < len(self.trailing):
+            if i >= n:
+                return i, DONE if final else MORE
+            if text[i] != self.trailing[self._tail]:
+                break
+            i += 1
+            self._tail += 1
+        return i, DONE
+
+
+class NameReader:
+    """A function name (or, with ``stop``, a call id: anything up to ``stop``'s first
+    character or whitespace)."""
+
+    __slots__ = ("_stop", "_text", "value")
+
+    def __init__(self, stop: str | None = None) -> None:
+        self._stop = stop
+        self._text = ""
+        self.value: str | None = None
+
+    def _ok(self, c: str) -> bool:
+        if self._stop is None:
+            return c in NAME_CHARS
+        return c not in WHITESPACE and c != self._stop
+
+    def feed(self, text: str, i: int, final: bool) -> tuple[int, Status]:
+        if not self._text:
+            i = skip_ws(text, i)
+        n = len(text)
+        start = i
+        while i < n and self._ok(text[i]):
+            i += 1
+        self._text += text[start:i]
+        if i >= n and not final:
+            return i, MORE
+        if not self._text:
+            return i, FAIL
+        self.value = self._text
+        return i, DONE
+
+
+class JsonArgsReader:
+    """The arguments as a JSON object, streamed as written."""
+
+    __slots__ = ("_args",)
+
+    def __init__(self) -> None:
+        self._args = ArgsCollector()
+
+    def feed(self, text: str, i: int, final: bool) -> tuple[int, Status]:
+        i = self._args.feed(text, i)
+        if self._args.failed:
+            return i, FAIL
+        if self._args.done:
+            return i, DONE
+        if final:
+            return i, DONE if self._args.raw else FAIL
+        return i, MORE
+
+    def take(self, final: bool = False) -> str:
+        return self._args.rest() if final or self._args.done else self._args.take()
+
+
+class CallObjectReader:
+    """The whole call as one JSON object."""
+
+    __slots__ = ("_pending", "_scan", "call_id", "value")
+
+    def __init__(self, spec: CallObject) -> None:
+        self._scan = ToolCallScanner(spec.name_key, spec.args_keys, id_key=spec.id_key)
+        self._pending = ""
+        self.value: str | None = None
+        self.call_id: str | None = None
+
+    def feed(self, text: str, i: int, final: bool) -> tuple[int, Status]:
+        if not self._scan.raw:
+            i = skip_ws(text, i)
+        step = self._scan.feed(text[i:])
+        i += step.consumed
+        if step.name is not None:
+            self.value = step.name
+        self.call_id = self._scan.call_id
+        self._pending += step.arguments
+        if self._scan.failed:
+            return i, DONE if self.value is not None else FAIL
+        if self._scan.done:
+            return i, DONE
+        if final:
+            if self.value is None:
+                return i, FAIL
+            self._pending += self._scan.finish().arguments
+            return i, DONE
+        return i, MORE
+
+    def take(self, final: bool = False) -> str:
+        out, self._pending = self._pending, ""
+        return out
+
+
+class _Tag(enum.Enum):
+    BETWEEN = "between"  # before an argument, or the end of the arguments
+    PREFIX = "prefix"
+    KEY = "key"
+    KEY_SUFFIX = "key_suffix"
+    VALUE_PREFIX = "value_prefix"
+    VALUE = "value"
+    VALUE_SUFFIX = "value_suffix"
+    FLAG = "flag"  # string="true|false" in the key's markup
+
+
+class TaggedArgsReader:
+    """Arguments in markup, as a JSON object. A string parameter's value streams as it
+    is written; other values go out once complete."""
+
+    __slots__ = (
+        "_end",
+        "_flag",
+        "_key",
+        "_lit",
+        "_out",
+        "_sent_value",
+        "_state",
+        "_stringy",
+        "_strip_tail",
+        "_suffix",
+        "_value",
+        "count",
+        "spec",
+        "types",
+    )
+
+    def __init__(self, spec: TaggedArgs, end: str, types: dict[str, Any] | None) -> None:
+        self.spec = spec
+        self.types = types or {}
+        self._end = first_chunk(end)  # what follows the arguments
+        self._suffix = first_chunk(spec.value_suffix)
+        # whitespace the template writes between a value and its closing markup
+        lead = spec.value_suffix[: len(spec.value_suffix) - len(spec.value_suffix.lstrip())]
+        self._strip_tail = lead
+        self._state = _Tag.BETWEEN
+        self._lit: LitReader | None = None
+        self._key = ""
+        self._value = ""
+        self._sent_value = 0
+        self._stringy = False
+        self._flag: bool | None = None  # what the markup said (STRING_FLAG), if it says
+        self._out = ""
+        self.count = 0
+
+    def take(self, final: bool = False) -> str:
+        out, self._out = self._out, ""
+        return out
+
+    def feed(self, text: str, i: int, final: bool) -> tuple[int, Status]:
+        spec = self.spec
+        n = len(text)
+        while True:
+            state = self._state
+            if state is _Tag.BETWEEN:
+                i = skip_ws(text, i)
+                rest = text[i:]
+                start = first_chunk(spec.key_prefix)
+                if rest.startswith(start):
+                    self._lit = LitReader(spec.key_prefix)
+                    self._state = _Tag.PREFIX
+                    continue
+                if not final and (not rest or start.startswith(rest) or self._end.startswith(rest)):
+                    return i, MORE
+                self._out += "}" if self.count else "{}"
+                return i, DONE
+            if state is not _Tag.KEY and state is not _Tag.VALUE and state is not _Tag.FLAG:
+                assert self._lit is not None
+                i, status = self._lit.feed(text, i, final)
+                if status is FAIL and state is _Tag.VALUE_SUFFIX and final:
+                    status = DONE  # the text ended in the closing markup
+                if status is not DONE:
+                    return i, status
+                if state is _Tag.PREFIX:
+                    self._state, self._key = _Tag.KEY, ""
+                elif state is _Tag.KEY_SUFFIX:
+                    self._begin_value()
+                elif state is _Tag.VALUE_PREFIX:
+                    self._state, self._value, self._sent_value = _Tag.VALUE, "", 0
+                else:
+                    self._state = _Tag.BETWEEN
+                continue
+            if state is _Tag.KEY:
+                stop = first_chunk(spec.key_suffix)
+                at = text.find(stop, i) if stop else -1
+                if at == -1:
+                    keep = partial_tag_len(text[i:], (stop,)) if stop else 0
+                    self._key += text[i : n - keep]
+                    if final:
+                        return n, FAIL
+                    return n - keep, MORE
+                self._key = (self._key + text[i:at]).strip()
+                i = at
+                self._lit = LitReader(spec.key_suffix.replace(STRING_FLAG, ""))
+                self._state = _Tag.KEY_SUFFIX
+                if STRING_FLAG in spec.key_suffix:  # the markup says whether it is a string
+                    head, _, _ = spec.key_suffix.partition(STRING_FLAG)
+                    self._lit = LitReader(head)
+                    self._state = _Tag.FLAG
+                continue
+            if state is _Tag.FLAG:
+                assert self._lit is not None
+                i, status = self._lit.feed(text, i, final)
+                if status is not DONE:
+                    return i, status
+                rest = text[i:]
+                word = next((w for w in ("true", "false") if rest.startswith(w)), None)
+                if word is None:
+                    if not final and ("true".startswith(rest) or "false".startswith(rest)):
+                        return i, MORE
+                    return i, FAIL
+                self._flag = word == "true"
+                i += len(word)
+                self._lit = LitReader(spec.key_suffix.partition(STRING_FLAG)[2])
+                self._state = _Tag.KEY_SUFFIX
+                continue
+            # VALUE
+            at = text.find(self._suffix, i) if self._suffix else -1
+            if at == -1:
+                keep = 0 if final else partial_tag_len(text[i:], (self._suffix,))
+                self._value += text[i : n - keep]
+                if not final:
+                    self._stream_value()
+                    return n - keep, MORE
+                self._end_value()
+                self._out += "}"
+                return n, DONE
+            self._value += text[i:at]
+            self._end_value()
+            self._lit = LitReader(spec.value_suffix)
+            self._state = _Tag.VALUE_SUFFIX
+            i = at
+
+    def _begin_value(self) -> None:
+        flag, self._flag = self._flag, None
+        self._stringy = flag if flag is not None else _is_string(self.types.get(self._key))
+        head = "{" if self.count == 0 else ", "
+        self._out += head + json.dumps(self._key, ensure_ascii=False) + ": "
+        self.count += 1
+        if self._stringy:
+            self._out += '"'
+        if self.spec.value_prefix.strip():
+            self._lit = LitReader(self.spec.value_prefix)
+            self._state = _Tag.VALUE_PREFIX
+        else:
+            self._state, self._value, self._sent_value = _Tag.VALUE, "", 0
+
+    def _stream_value(self) -> None:
+        if not self._stringy:
+            return
+        ready = len(self._value.rstrip(WHITESPACE))
+        if ready > self._sent_value:
+            self._out += _escape(self._value[self._sent_value : ready])
+            self._sent_value = ready
+
+    def _end_value(self) -> None:
+        value = self._value
+        tail = self._strip_tail
+        if tail and value.endswith(tail):
+            value = value[: -len(tail)]
+        if self._stringy:
+            self._out += _escape(value[self._sent_value :]) + '"'
+        else:
+            self._out += _typed(value)
+        self._value = ""
+
+
+def _is_string(schema: Any) -> bool:
+    """Whether a parameter's schema says string (its value is then never read as JSON)."""
+    if not isinstance(schema, dict):
+        return False
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        return kind == ["string"]
+    return kind == "string"
+
+
+def _typed(value: str) -> str:
+    """A value of a non-string (or nullable string) parameter: its JSON if it is JSON,
+    else a string."""
+    text = value.strip()
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        return json.dumps(value, ensure_ascii=False)
+    return json.dumps(parsed, ensure_ascii=False)
+
+
+def _escape(text: str) -> str:
+    """``text`` as the inside of a JSON string."""
+    return json.dumps(text, ensure_ascii=False)[1:-1]
+
+
+class PythonArgsReader:
+    """Python keyword arguments in parentheses; the JSON object once they close."""
+
+    __slots__ = ("_depth", "_escape", "_out", "_quote", "_text")
+
+    def __init__(self) -> None:
+        self._text = ""
+        self._depth = 0
+        self._quote = ""
+        self._escape = False
+        self._out = ""
+
+    def take(self, final: bool = False) -> str:
+        out, self._out = self._out, ""
+        return out
+
+    def feed(self, text: str, i: int, final: bool) -> tuple[int, Status]:
+        if not self._text:
+            i = skip_ws(text, i)
+            if i < len(text) and text[i] != "(":
+                return i, FAIL
+        n = len(text)
+        start = i
+        while i < n:
+            c = text[i]
+            i += 1
+            if self._quote:
+                if self._escape:
+                    self._escape = False
+                elif c == "\\":
+                    self._escape = True
+                elif c == self._quote:
+                    self._quote = ""
+            elif c in "\"'":
+                self._quote = c
+            elif c in "([{":
+                self._depth += 1
+            elif c in ")]}":
+                self._depth -= 1
+                if self._depth == 0:
+                    self._text += text[start:i]
+                    return self._finish(i)
+        self._text += text[start:i]
+        if final:
+            return i, FAIL
+        return i, MORE
+
+    def _finish(self, i: int) -> tuple[int, Status]:
+        try:
+            call = ast.parse(f"f{self._text}", mode="eval").body
+        except SyntaxError:
+            return i, FAIL
+        if not isinstance(call, ast.Call) or call.args:
+            return i, FAIL
+        args: dict[str, Any] = {}
+        source = f"f{self._text}"
+        for kw in call.keywords:
+            if kw.arg is None:
+                return i, FAIL
+            try:
+                args[kw.arg] = ast.literal_eval(kw.value)
+            except ValueError:  # JSON's true/false/null, as LFM2 sometimes writes them
+                try:
+                    args[kw.arg] = json.loads(ast.get_source_segment(source, kw.value) or "")
+                except ValueError:
+                    return i, FAIL
+        self._out = json.dumps(args, ensure_ascii=False)
+        return i, DONE
+
+
+GEMMA_QUOTE = '<|"|>'
+_BARE_KEY = re.compile(r"([{,]\s*)([A-Za-z_][\w.\-]*)\s*:")
+
+
+def gemma_json(text: str) -> str | None:
+    """Gemma 4's ``{key:<|"|>v<|"|>,n:1}`` as JSON text; None if it is not that."""
+    out = []
+    parts = text.split(GEMMA_QUOTE)
+    if len(parts) % 2 == 0:
+        return None  # an unclosed string
+    for k, part in enumerate(parts):
+        out.append(
+            json.dumps(part, ensure_ascii=False) if k % 2 else _BARE_KEY.sub(r'\1"\2":', part)
+        )
+    joined = "".join(out)
+    try:
+        return json.dumps(json.loads(joined), ensure_ascii=False)
+    except ValueError:
+        return None
+
+
+class GemmaArgsReader:
+    """Gemma 4's arguments object, as JSON once it closes."""
+
+    __slots__ = ("_depth", "_in_str", "_out", "_text")
+
+    def __init__(self) -> None:
+        self._text = ""
+        self._depth = 0
+        self._in_str = False
+        self._out = ""
+
+    def take(self, final: bool = False) -> str:
+        out, self._out = self._out, ""
+        return out
+
+    def feed(self, text: str, i: int, final: bool) -> tuple[int, Status]:
+        if not self._text:
+            i = skip_ws(text, i)
+            if i < len(text) and text[i] != "{":
+                return i, FAIL
+        n = len(text)
+        while i < n:
+            if text.startswith(GEMMA_QUOTE, i):
+                self._in_str = not self._in_str
+                self._text += GEMMA_QUOTE
+                i += len(GEMMA_QUOTE)
+                continue
+            if GEMMA_QUOTE.startswith(text[i:]) and not final:
+                return i, MORE  # maybe the start of a quote mark: wait
+            c = text[i]
+            self._text += c
+            i += 1
+            if self._in_str:
+                continue
+            if c in "{[":
+                self._depth += 1
+            elif c in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    converted = gemma_json(self._text)
+                    if converted is None:
+                        return i, FAIL
+                    self._out = converted
+                    return i, DONE
+        return i, FAIL if final else MORE

@@ -1,0 +1,67 @@
+"""Required and named calls constrained in the family's own syntax."""
+
+from __future__ import annotations
+
+from sluice.core.syntax import CallId, CallObject, JsonArgs, Lit, Name, TaggedArgs, ToolSyntax
+from sluice.grammar.native import syntax_grammar
+from sluice.grammar.spec import ToolSpec
+from tests.support.bytegrammar import matches
+
+WEATHER = ToolSpec(
+    "get_weather",
+    {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        "required": ["city"],
+    },
+)
+NOARGS = ToolSpec("now", {})
+QWEN = ToolSyntax(
+    call=(
+        Lit("<tool_call>\n<function="),
+        Name(),
+        Lit(">\n"),
+        TaggedArgs("<parameter=", ">\n", "", "\n</parameter>\n"),
+        Lit("</function>\n</tool_call>"),
+    ),
+    separator="\n",
+)
+
+
+def test_markup_arguments_follow_the_schema() -> None:
+    g = syntax_grammar([WEATHER, NOARGS], QWEN, max_calls=2)
+    one = "<tool_call>\n<function=get_weather>\n<parameter=city>\nSan\nJosé\n</parameter>\n"
+    assert matches(g, one + "</function>\n</tool_call>")
+    with_days = one + "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+    assert matches(g, with_days)
+    assert matches(g, with_days + "\n<tool_call>\n<function=now>\n</function>\n</tool_call>")
+    assert not matches(g, one.replace("city", "town") + "</function>\n</tool_call>")
+    assert not matches(g, one + "<parameter=days>\nthree\n</parameter>\n</function>\n</tool_call>")
+    assert not matches(g, "<tool_call>\n<function=get_weather>\n</function>\n</tool_call>")
+    assert not matches(g, "<tool_call>\n<function=other>\n</function>\n</tool_call>")
+
+
+def test_one_call_only() -> None:
+    g = syntax_grammar([NOARGS], QWEN, max_calls=1)
+    call = "<tool_call>\n<function=now>\n</function>\n</tool_call>"
+    assert matches(g, call)
+    assert not matches(g, call + "\n" + call)
+
+
+def test_json_arguments_and_ids() -> None:
+    mistral = ToolSyntax(
+        call=(Lit("[TOOL_CALLS]"), Name(), Lit("[CALL_ID]"), CallId(), Lit("[ARGS]"), JsonArgs())
+    )
+    g = syntax_grammar([WEATHER], mistral, max_calls=1)
+    assert matches(g, '[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Paris"}')
+    assert not matches(g, '[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"town": "Paris"}')
+    nemo = ToolSyntax(
+        call=(CallObject(id_key="id"),),
+        section_start="[TOOL_CALLS][",
+        section_end="]",
+        separator=", ",
+    )
+    g = syntax_grammar([WEATHER], nemo, max_calls=2)
+    call = '{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "a1b2c3d4e"}'
+    assert matches(g, f"[TOOL_CALLS][{call}, {call}]")
+    assert not matches(g, f"[TOOL_CALLS][{call}")
