@@ -65,3 +65,22 @@ def test_json_arguments_and_ids() -> None:
     call = '{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "a1b2c3d4e"}'
     assert matches(g, f"[TOOL_CALLS][{call}, {call}]")
     assert not matches(g, f"[TOOL_CALLS][{call}")
+
+
+def test_control_token_markup_is_matched_as_the_token() -> None:
+    """A family's markup that is a control token in the model's vocabulary is written
+    as that token (llguidance never matches a control token with text)."""
+    import llguidance
+
+    from sluice.engine.llg_gate import with_special_tokens
+    from tests.support.bytegrammar import _TOKENIZER
+
+    lark = 'start: "[CALLS]" "x" | "y"\nv: %json {"const": "[CALLS]"}\n'
+    out = with_special_tokens(lark, {"[CALLS]": 256})
+    assert out.splitlines()[0] == 'start: (<[256]>) "x" | "y"'
+    assert out.splitlines()[1] == lark.splitlines()[1]  # JSON schemas stay as they are
+    grammar = llguidance.LLMatcher.grammar_from_lark(out.splitlines()[0])
+    matcher = llguidance.LLMatcher(_TOKENIZER, grammar, log_level=0)
+    assert matcher.consume_tokens([256, ord("x")]) and matcher.is_accepting()
+    text = llguidance.LLMatcher(_TOKENIZER, grammar, log_level=0)
+    assert not text.consume_tokens(list(b"[CALLS]x"))

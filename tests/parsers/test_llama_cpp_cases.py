@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
+import httpx
 import ollama
 import openai
 import pytest
@@ -194,4 +195,101 @@ def test_llama_cpp_case(base: str, case: Case, dialect: str) -> None:
     if key in KNOWN_FAILURES or case.id in KNOWN_FAILURES:
         assert problem is not None, f"{key} passes now: take it off known_failures.txt"
         pytest.xfail(problem)
+    assert problem is None, problem
+
+
+# -- a few cases on the other dialects ----------------------------------------------------
+
+_SAMPLED = (
+    "Qwen3-Coder",
+    "Qwen3.5-4B",
+    "deepseek-ai-DeepSeek-V3.2",
+    "openai-gpt-oss-120b",
+    "GLM-4.7-Flash",
+    "moonshotai-Kimi-K2",
+    "google-gemma-4-31B-it",
+    "LFM2.5-8B-A1B",
+)
+
+
+def _sample(with_tools: bool) -> list[Case]:
+    """Per sampled family, its first passing case with reasoning or calls (with tools or
+    without, as the dialect can carry them) and thinking on."""
+    out = []
+    for family in _SAMPLED:
+        for case in CASES:
+            passing = case.id not in KNOWN_FAILURES and not any(
+                k.startswith(case.id + "@") for k in KNOWN_FAILURES
+            )
+            rich = case.expect["tool_calls"] or case.expect["reasoning_content"]
+            if (
+                case.model == family
+                and passing
+                and rich
+                and case.enable_thinking
+                and bool(case.tools) == with_tools
+                and case.tool_choice != "none"
+            ):
+                out.append(case)
+                break
+    return out
+
+
+def responses(base: str, case: Case) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": case.model, "input": case.user(), "store": False}
+    if case.tools:
+        body["tools"] = [{"type": "function", **t["function"]} for t in case.tools]
+        body["tool_choice"] = case.tool_choice
+        body["parallel_tool_calls"] = case.parallel
+    done = httpx.post(f"{base}/v1/responses", json=body, timeout=60).json()
+    got: dict[str, Any] = {"content": "", "reasoning_content": "", "tool_calls": []}
+    for item in done["output"]:
+        if item["type"] == "message":
+            got["content"] += "".join(p["text"] for p in item["content"])
+        elif item["type"] == "reasoning":
+            got["reasoning_content"] += "".join(p["text"] for p in item["content"])
+        elif item["type"] == "function_call":
+            got["tool_calls"].append(
+                {"name": item["name"], "arguments": item["arguments"], "id": item["call_id"]}
+            )
+    return got
+
+
+def lmstudio(base: str, case: Case) -> dict[str, Any]:
+    body = {"model": case.model, "input": case.user(), "store": False}
+    done = httpx.post(f"{base}/api/v1/chat", json=body, timeout=60).json()
+    got: dict[str, Any] = {"content": "", "reasoning_content": "", "tool_calls": []}
+    for item in done["output"]:
+        key = "reasoning_content" if item["type"] == "reasoning" else "content"
+        got[key] += item["content"]
+    return got
+
+
+def gateway(base: str, case: Case) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": case.model, "message": case.user()}
+    if case.tools:
+        body.update(tools=case.tools, tool_choice=case.tool_choice)
+    done = httpx.post(f"{base}/c1/chat", json=body, timeout=60).json()
+    message = done["choices"][0]["message"]
+    calls = [
+        {"name": t["function"]["name"], "arguments": t["function"]["arguments"], "id": t["id"]}
+        for t in message.get("tool_calls") or []
+    ]
+    return {
+        "content": message.get("content"),
+        "reasoning_content": message.get("reasoning_content"),
+        "tool_calls": calls,
+    }
+
+
+@pytest.mark.parametrize(
+    "dialect,case",
+    [("responses", c) for c in _sample(True) + _sample(False)]
+    + [("lmstudio", c) for c in _sample(False)]
+    + [("c1", c) for c in _sample(True)],
+    ids=lambda v: v if isinstance(v, str) else v.id,
+)
+def test_a_case_on_the_other_dialects(base: str, dialect: str, case: Case) -> None:
+    ask = {"responses": responses, "lmstudio": lmstudio, "c1": gateway}[dialect]
+    problem = same_message(case, ask(base, case), None)
     assert problem is None, problem

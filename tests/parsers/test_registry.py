@@ -14,6 +14,7 @@ from sluice.parsers.registry import (
     reasoning_parser,
     template_opens_think,
 )
+from sluice.parsers.signatures import brief, signature
 from tests.support.parser_events import fold, run
 
 
@@ -77,14 +78,39 @@ TOOLS: list[dict[str, Any]] = [
 
 def test_tool_system_prompt_lists_functions_and_the_exact_format() -> None:
     prompt = tool_system_prompt(TOOLS, "auto", parallel=True)
-    assert "get_weather: Get weather for a city" in prompt
-    schema = json.dumps(TOOLS[0]["function"]["parameters"])
-    assert schema in prompt
-    assert "- now:" in prompt
-    assert '<tool_call>\n{"name": "<function name>", "arguments": <JSON object>}\n</tool_call>' in (
-        prompt
-    )
+    assert "get_weather(city: string) - Get weather for a city" in prompt
+    assert "\nnow()\n" in prompt
+    assert (
+        '<tool_call>\n{"name": "<function name>", "arguments": {<parameter>: <value>, ...}}\n'
+        "</tool_call>"
+    ) in prompt
     assert "several functions" in prompt
+
+
+def test_signatures_say_what_a_schema_says_in_fewer_words() -> None:
+    fn = {
+        "name": "read",
+        "description": "Read a file.\n\n```\nexample\n```\nUse it   often.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "path": {"type": "string", "description": "Absolute\npath"},
+                "limit": {"type": "integer", "minimum": 1, "default": 100},
+                "mode": {"enum": ["text", "bytes"]},
+                "tags": {"type": "array", "items": {"type": ["string", "null"]}},
+                "at": {"$ref": "#/$defs/Pos"},
+            },
+            "required": ["path"],
+            "$defs": {"Pos": {"type": "object", "properties": {"line": {"type": "integer"}}}},
+        },
+    }
+    assert signature(fn) == (
+        'read(path: string, limit?: integer 1.. = 100, mode?: "text"|"bytes", '
+        "tags?: (string|null)[], at?: {line?: integer}) - Read a file. Use it often.\n"
+        "  path: Absolute path"
+    )
+    long = "One. " * 400
+    assert len(brief(long)) <= 604 and brief(long).endswith("One. ...")
 
 
 @pytest.mark.parametrize(

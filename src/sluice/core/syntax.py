@@ -57,6 +57,9 @@ class JsonArgs:
 # In TaggedArgs.key_suffix: where the markup says true or false for "the value is a
 # string" (DeepSeek's DSML: <｜DSML｜parameter name="x" string="false">42</...>).
 STRING_FLAG = "{string}"
+# In TaggedArgs.value_suffix: the argument's name, where the closing markup repeats it
+# (MiniMax-M3: <city>Paris</city>).
+KEY_NAME = "{key}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -185,7 +185,7 @@ class LlamaRunner(SamplingMixin):
         self._cand_ids = np.arange(self.n_vocab, dtype=np.int32)
         self._cand_arr = token_data_array(L, self._cand)
         self._cand_data = self._cand_arr.data
-        self._grammars = Grammars(self._vocab, self.n_vocab, self._eog_tokens)
+
         self.grammar_checks = 0  # tokens checked against a grammar (tests, stats)
         self.grammar_rejections = 0  # of those, rejected: a full pass was needed
         self._rows: dict[int, int] | None = None  # batch row -> row of the last llama_decode
@@ -195,6 +195,8 @@ class LlamaRunner(SamplingMixin):
         self._eog: list[int] | None = None  # every end-of-generation token, on first use
         control = control_ids(L, self._vocab, self.n_vocab)
         self.control_texts = tuple(text for t in control if (text := self._special_text(t)))
+        special = {text: t for t in control if (text := self._special_text(t))}
+        self._grammars = Grammars(self._vocab, self.n_vocab, self._eog_tokens, special)
         # Where tokenize may cut a long text: before a control-token text; compiled on
         # first use (only texts over _TOKENIZE_PIECE characters need it).
         self._control_pattern: tuple[re.Pattern[str] | None, int] | None = None

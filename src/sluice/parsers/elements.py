@@ -25,7 +25,7 @@ import json
 import re
 from typing import Any
 
-from sluice.core.syntax import STRING_FLAG, CallObject, TaggedArgs
+from sluice.core.syntax import KEY_NAME, STRING_FLAG, CallObject, TaggedArgs
 from sluice.parsers.common import WHITESPACE, partial_tag_len
 from sluice.parsers.jsonscan import ArgsCollector, ToolCallScanner
 
@@ -223,6 +223,7 @@ class TaggedArgsReader:
     is written; other values go out once complete."""
 
     __slots__ = (
+        "_closing",
         "_end",
         "_flag",
         "_key",
@@ -247,6 +248,7 @@ class TaggedArgsReader:
         # whitespace the template writes between a value and its closing markup
         lead = spec.value_suffix[: len(spec.value_suffix) - len(spec.value_suffix.lstrip())]
         self._strip_tail = lead
+        self._closing = spec.value_suffix  # with the key, where the markup names it
         self._state = _Tag.BETWEEN
         self._lit: LitReader | None = None
         self._key = ""
@@ -268,13 +270,13 @@ class TaggedArgsReader:
             state = self._state
             if state is _Tag.BETWEEN:
                 i = skip_ws(text, i)
-                rest = text[i:]
-                start = first_chunk(spec.key_prefix)
-                if rest.startswith(start):
-                    self._lit = LitReader(spec.key_prefix)
-                    self._state = _Tag.PREFIX
+                # Another argument if its whole opening markup follows, else the end.
+                probe = LitReader(spec.key_prefix)
+                j, status = probe.feed(text, i, final)
+                if status is DONE:
+                    i, self._state, self._key = j, _Tag.KEY, ""
                     continue
-                if not final and (not rest or start.startswith(rest) or self._end.startswith(rest)):
+                if status is MORE and not final:
                     return i, MORE
                 self._out += "}" if self.count else "{}"
                 return i, DONE
@@ -341,11 +343,13 @@ class TaggedArgsReader:
                 return n, DONE
             self._value += text[i:at]
             self._end_value()
-            self._lit = LitReader(spec.value_suffix)
+            self._lit = LitReader(self._closing)
             self._state = _Tag.VALUE_SUFFIX
             i = at
 
     def _begin_value(self) -> None:
+        self._closing = self.spec.value_suffix.replace(KEY_NAME, self._key)
+        self._suffix = first_chunk(self._closing)
         flag, self._flag = self._flag, None
         self._stringy = flag if flag is not None else _is_string(self.types.get(self._key))
         head = "{" if self.count == 0 else ", "
@@ -405,21 +409,30 @@ def _escape(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)[1:-1]
 
 
-class PythonArgsReader:
-    """Python keyword arguments in parentheses; the JSON object once they close."""
+class _WholeArgs:
+    """Arguments read whole (bracket depth counted) and given out as JSON at their end."""
 
-    __slots__ = ("_depth", "_escape", "_out", "_quote", "_text")
+    __slots__ = ("_depth", "_out", "_text")
 
     def __init__(self) -> None:
         self._text = ""
         self._depth = 0
-        self._quote = ""
-        self._escape = False
         self._out = ""
 
     def take(self, final: bool = False) -> str:
         out, self._out = self._out, ""
         return out
+
+
+class PythonArgsReader(_WholeArgs):
+    """Python keyword arguments in parentheses; the JSON object once they close."""
+
+    __slots__ = ("_escape", "_quote")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._quote = ""
+        self._escape = False
 
     def feed(self, text: str, i: int, final: bool) -> tuple[int, Status]:
         if not self._text:
@@ -496,20 +509,14 @@ def gemma_json(text: str) -> str | None:
         return None
 
 
-class GemmaArgsReader:
+class GemmaArgsReader(_WholeArgs):
     """Gemma 4's arguments object, as JSON once it closes."""
 
-    __slots__ = ("_depth", "_in_str", "_out", "_text")
+    __slots__ = ("_in_str",)
 
     def __init__(self) -> None:
-        self._text = ""
-        self._depth = 0
+        super().__init__()
         self._in_str = False
-        self._out = ""
-
-    def take(self, final: bool = False) -> str:
-        out, self._out = self._out, ""
-        return out
 
     def feed(self, text: str, i: int, final: bool) -> tuple[int, Status]:
         if not self._text:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from sluice.core.syntax import (
+    KEY_NAME,
     GemmaArgs,
     IdName,
     JsonArgs,
@@ -27,6 +28,7 @@ from sluice.core.syntax import (
     OutputFormat,
     PythonArgs,
     ReasoningSyntax,
+    TaggedArgs,
     ToolSyntax,
 )
 from sluice.parsers.analysis import Render, analyze
@@ -81,12 +83,32 @@ GEMMA_4 = OutputFormat(
     strip=("<|channel>thought", "<|channel>", "<channel|>"),
 )
 
+_MM = "]<]minimax[>["  # MiniMax-M3's namespace token, before each piece of its markup
+MINIMAX_M3 = OutputFormat(
+    name="auto",
+    # MiniMax-M3: each argument's closing tag is named by the argument.
+    tools=ToolSyntax(
+        call=(
+            Lit(_MM + '<invoke name="'),
+            Name(),
+            Lit('">'),
+            TaggedArgs(_MM + "<", ">", "", _MM + "</" + KEY_NAME + ">"),
+            Lit(_MM + "</invoke>\n"),
+        ),
+        section_start=_MM + "<tool_call>\n",
+        section_end=_MM + "</tool_call>",
+    ),
+    reasoning=ReasoningSyntax("<mm:think>", "</mm:think>"),
+    strip=("</mm:think>",),
+)
+
 # Hand-written families: (alternatives of markers only that family's template has, its
 # format); as llama.cpp recognises them (common/chat.cpp, specialized templates).
 FAMILIES: tuple[tuple[tuple[tuple[str, ...], ...], OutputFormat], ...] = (
     ((("<|channel|>", "<|message|>"),), HARMONY),
     ((("<|tool_calls_section_begin|>", "<|tool_call_begin|>"),), KIMI_K2),
     ((("<|tool_call>call:",),), GEMMA_4),
+    (((_MM, "<invoke name="),), MINIMAX_M3),
     (
         (("<|tool_list_start|>", "<|tool_list_end|>"), ("List of tools: [",)),
         OutputFormat(

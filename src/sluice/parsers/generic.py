@@ -1,7 +1,9 @@
 """Tool calls for models whose chat template knows no tools (e.g. SmolLM2).
 
-The server describes the tools in a system prompt and asks for calls in one
-fixed shape, the Hermes markup, so the parser is :class:`HermesParser`.
+The server describes the tools in a system prompt, as compact signatures
+(:mod:`sluice.parsers.signatures`: a fraction of the tokens of their JSON
+schemas), and asks for calls in one fixed shape, the Hermes markup, so the parser
+is :class:`HermesParser`.
 
 Example::
 
@@ -16,6 +18,7 @@ import json
 from typing import Any
 
 from sluice.parsers.hermes import HermesParser
+from sluice.parsers.signatures import signature
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
@@ -51,19 +54,15 @@ def tool_system_prompt(
     ``"auto"``/``None``, ``"required"``, a named function
     (``{"type": "function", "function": {"name": ...}}``) or ``"function:<name>"``.
     """
-    lines = ["You can call these functions:", ""]
+    lines = ["You can call these functions (name?: optional):"]
     for tool in tools:
-        fn = tool.get("function", tool)
-        lines.append(f"- {fn.get('name', '')}: {fn.get('description') or '(no description)'}")
-        params = fn.get("parameters") or {"type": "object", "properties": {}}
-        lines.append(f"  parameters (JSON schema): {json.dumps(params, ensure_ascii=False)}")
+        lines.append(signature(tool.get("function", tool)))
     lines += [
         "",
         "To call a function, reply with exactly this block, one block per call:",
         CALL_OPEN,
-        '{"name": "<function name>", "arguments": <JSON object>}',
+        '{"name": "<function name>", "arguments": {<parameter>: <value>, ...}}',
         CALL_CLOSE,
-        "The arguments must be a JSON object that follows the function's parameters schema.",
     ]
     forced = _forced_name(tool_choice)
     if tool_choice == "none":
