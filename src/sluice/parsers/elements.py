@@ -225,6 +225,7 @@ class TaggedArgsReader:
     __slots__ = (
         "_closing",
         "_end",
+        "_end_text",
         "_flag",
         "_key",
         "_lit",
@@ -244,6 +245,7 @@ class TaggedArgsReader:
         self.spec = spec
         self.types = types or {}
         self._end = first_chunk(end)  # what follows the arguments
+        self._end_text = end
         self._suffix = first_chunk(spec.value_suffix)
         # whitespace the template writes between a value and its closing markup
         lead = spec.value_suffix[: len(spec.value_suffix) - len(spec.value_suffix.lstrip())]
@@ -270,7 +272,16 @@ class TaggedArgsReader:
             state = self._state
             if state is _Tag.BETWEEN:
                 i = skip_ws(text, i)
-                # Another argument if its whole opening markup follows, else the end.
+                # Another argument if its whole opening markup follows, else the end (the
+                # end's markup wins where both match: "<" opens a key and "</invoke>").
+                ended = (
+                    LitReader(self._end_text).feed(text, i, final)[1] if self._end_text else FAIL
+                )
+                if ended is DONE:
+                    self._out += "}" if self.count else "{}"
+                    return i, DONE
+                if ended is MORE and not final:
+                    return i, MORE  # the end's markup may still be what follows
                 probe = LitReader(spec.key_prefix)
                 j, status = probe.feed(text, i, final)
                 if status is DONE:

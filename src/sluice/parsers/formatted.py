@@ -273,8 +273,10 @@ class FormatParser:
         self._buf = buf[at:]
         self._markup = ""
         call_head = self.syntax.call[0]
-        if self.syntax.section_start and not (
-            isinstance(call_head, Lit) and opener == first_chunk(call_head.text)
+        section_first = first_chunk(self.syntax.section_start)
+        if self.syntax.section_start and (
+            opener == section_first
+            or not (isinstance(call_head, Lit) and opener == first_chunk(call_head.text))
         ):
             self._state = _State.SECTION
             self._lit = LitReader(self.syntax.section_start)
@@ -319,6 +321,13 @@ class FormatParser:
             self._to_content()
             return True
         if status is FAIL:
+            head = self.syntax.call[0]
+            if isinstance(head, Lit) and first_chunk(head.text) == first_chunk(
+                self.syntax.section_start
+            ):  # not the section's opening: maybe a call's without its section
+                self._buf, self._markup = self._markup + self._buf, ""
+                self._new_call()
+                return True
             self._give_back(events)
             return True
         self._new_call()
