@@ -11,6 +11,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,9 +20,10 @@ from typing import Any
 from sluice.config import Settings
 from sluice.core.errors import ModelLoadFailed, SluiceError
 from sluice.core.model import ModelSpec
-from sluice.local.templates import read_template
+from sluice.local.templates import ChatTemplate, read_template
 from sluice.models.catalog import resolve_source
 from sluice.models.gguf import GgufError, GgufInfo, read_gguf_info, replay_info
+from sluice.parsers.families import format_for
 from sluice.parsers.registry import detect_reasoning
 
 log = logging.getLogger("sluice.models")
@@ -92,11 +94,21 @@ def read_all_model_files(specs: list[ModelSpec], settings: Settings) -> dict[str
 def reasoning_capability(template: str | None) -> dict[str, Any] | None:
     """LM Studio's ``capabilities.reasoning`` for a chat template; None if it does not think.
 
-    A template writes reasoning markers the way the output parsers detect them; it
+    A template thinks if its learned format has reasoning markers (the ones the output
+    parsers read: ``<think>``, ``<seed:think>``, gpt-oss's analysis channel, ...); it
     can be told not to think only if it reads a switch (``enable_thinking``, set
     through ``chat_template_kwargs``).
     """
-    if template is None or detect_reasoning(template) is None:
+    if template is None or not _thinks(template):
         return None
     options = ["off", "on"] if "enable_thinking" in template else ["on"]
     return {"allowed_options": options, "default": "on"}
+
+
+@functools.lru_cache(maxsize=64)
+def _thinks(template: str) -> bool:
+    """Whether the template's format has reasoning (its analysis: a few ms, once)."""
+    if detect_reasoning(template) is not None:  # it writes <think>
+        return True
+    chat = ChatTemplate(template, bos_token="", eos_token="", model_id="listing")
+    return chat.available and format_for(template, chat.render_probe).reasoning is not None

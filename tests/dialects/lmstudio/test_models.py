@@ -183,3 +183,11 @@ def test_error_headers_carry_over() -> None:
     assert r.status_code == 413
     assert r.headers["connection"] == "close"
     assert b"\\ud800" in bytes(r.body)  # escaped: a lone surrogate still encodes
+
+
+def test_reasoning_capability_knows_every_family_s_markers() -> None:
+    from sluice.templates import bundled
+
+    for name in ("ByteDance-Seed-OSS", "openai-gpt-oss-120b", "Cohere2MoE"):
+        assert reasoning_capability(bundled(name)) == {"allowed_options": ["on"], "default": "on"}
+    assert reasoning_capability(bundled("Qwen-Qwen2.5-7B-Instruct")) is None
