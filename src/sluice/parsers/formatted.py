@@ -273,34 +273,20 @@ class FormatParser:
         self._buf = buf[at:]
         self._markup = ""
         call_head = self.syntax.call[0]
-        section_first = first_chunk(self.syntax.section_start)
+        reader: Reader
         if self.syntax.section_start and (
-            opener == section_first
+            opener == first_chunk(self.syntax.section_start)
             or not (isinstance(call_head, Lit) and opener == first_chunk(call_head.text))
         ):
             self._state = _State.SECTION
-            self._lit = LitReader(self.syntax.section_start)
+            self._lit = reader = LitReader(self.syntax.section_start)
         else:  # no section, or a call without its section
             self._new_call()
-            if (
-                opener != self._openers[0]
-                and self._state is _State.CALL
-                and self.syntax.section_start
-            ):
-                return True
-        if opener != self._openers[0] and self._lit_at_start():  # the opening's last piece
-            reader = self._lit if self.syntax.section_start else self._call_lit()
-            assert reader is not None
+            assert self._call is not None
+            reader = self._call.reader
+        if isinstance(reader, LitReader):  # a model may leave out the opening's first pieces
             reader.skip_to(opener)
         return True
-
-    def _lit_at_start(self) -> bool:
-        return bool(self.syntax.section_start) or isinstance(self.syntax.call[0], Lit)
-
-    def _call_lit(self) -> LitReader | None:
-        assert self._call is not None
-        reader = self._call.reader
-        return reader if isinstance(reader, LitReader) else None
 
     def _new_call(self) -> None:
         self._state = _State.CALL
