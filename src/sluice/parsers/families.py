@@ -32,6 +32,7 @@ from sluice.core.syntax import (
     ToolSyntax,
 )
 from sluice.parsers.analysis import Render, analyze
+from sluice.parsers.registry import detect_reasoning
 
 # Formats with a hand-written parser of their own (sluice.parsers.registry).
 LEGACY = ("hermes", "llama3", "mistral", "generic")
@@ -136,6 +137,11 @@ def format_for(
     if not text or render is None:
         return OutputFormat(name="generic")
     found = analyze(render, text)
+    think = detect_reasoning(text)
+    if found.reasoning is None and think is not None:
+        # A template that hides past reasoning from its probes (DeepSeek-R1's distills
+        # cut it from history) still names the markers its model writes.
+        found = replace(found, reasoning=ReasoningSyntax(*think))
     for alternatives, family in FAMILIES:
         if any(all(m in text for m in markers) for markers in alternatives):
             return replace(
