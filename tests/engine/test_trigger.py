@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import re
 
+from sluice.core.syntax import ReasoningSyntax
 from sluice.engine.trigger import TriggerScanner
-from sluice.local.plan import OutputPlan, ReasoningMarkers
+from sluice.local.plan import OutputPlan
 
 TAG = "<tool_call>"
 
 
-def plan_patterns(reasoning: ReasoningMarkers | None = None, opened: bool = False) -> tuple:
+def plan_patterns(reasoning: ReasoningSyntax | None = None, opened: bool = False) -> tuple:
     plan = OutputPlan(fmt="hermes", trigger_tag=TAG, reasoning=reasoning, reasoning_opened=opened)
     return plan.triggers, plan.trigger_words
 
@@ -42,7 +43,7 @@ def test_no_words_runs_the_patterns_on_every_token_like_llama_cpp() -> None:
 
 
 def test_a_call_inside_reasoning_is_not_a_trigger_but_one_after_it_is() -> None:
-    think = ReasoningMarkers("<think>", "</think>")
+    think = ReasoningSyntax("<think>", "</think>")
     patterns, words = plan_patterns(think)
     scan = TriggerScanner(patterns, words)
     pieces = ["<think>", "maybe ", TAG, " no", "</think>", "Now: ", TAG, "\n"]
@@ -56,7 +57,7 @@ def test_a_call_inside_reasoning_is_not_a_trigger_but_one_after_it_is() -> None:
 
 
 def test_the_scanner_agrees_with_the_patterns_over_the_whole_output() -> None:
-    think = ReasoningMarkers("<think>", "</think>")
+    think = ReasoningSyntax("<think>", "</think>")
     patterns, words = plan_patterns(think)
     rx = [re.compile(p) for p in patterns]
     text = "  <think> a <tool_call> b </think> c <tool_call> d"

@@ -84,3 +84,25 @@ def test_control_token_markup_is_matched_as_the_token() -> None:
     assert matcher.consume_tokens([256, ord("x")]) and matcher.is_accepting()
     text = llguidance.LLMatcher(_TOKENIZER, grammar, log_level=0)
     assert not text.consume_tokens(list(b"[CALLS]x"))
+
+
+def test_the_first_call_goes_on_from_the_prompts_markup() -> None:
+    # functionary v3.2: the generation prompt wrote ">>>", the model writes the recipient
+    functionary = ToolSyntax(call=(Lit(">>>"), Name(), Lit("\n"), JsonArgs()))
+    g = syntax_grammar([WEATHER, NOARGS], functionary, max_calls=2, opened=">>>")
+    assert matches(g, 'get_weather\n{"city": "Paris"}')
+    assert matches(g, 'get_weather\n{"city": "Paris"}>>>now\n{}')
+    assert not matches(g, '>>>get_weather\n{"city": "Paris"}')
+    assert not matches(g, 'get_weather\n{"city": "Paris"}now\n{}')
+
+
+def test_calls_named_by_their_key() -> None:
+    apertus = ToolSyntax(
+        call=(CallObject(name_is_key=True),),
+        section_start="<|tools_prefix|>[",
+        section_end="]<|tools_suffix|>",
+        separator=", ",
+    )
+    g = syntax_grammar([WEATHER], apertus, max_calls=1)
+    assert matches(g, '<|tools_prefix|>[{"get_weather": {"city": "Paris"}}]<|tools_suffix|>')
+    assert not matches(g, '<|tools_prefix|>[{"get_weather": {"days": 2}}]<|tools_suffix|>')

@@ -77,11 +77,15 @@ def test_sections_separators_and_ids() -> None:
         ("ByteDance-Seed-OSS", ("<seed:think>", "</seed:think>")),
         ("GLM-4.7-Flash", ("<think>", "</think>")),
         ("Cohere2MoE", ("<|START_THINKING|>", "<|END_THINKING|>")),
-        ("Apriel-1.6-15b-Thinker-fixed", ("", "[BEGIN FINAL RESPONSE]")),
+        # the generation prompt writes the reasoning's first words itself
+        (
+            "Apriel-1.6-15b-Thinker-fixed",
+            ("", "[BEGIN FINAL RESPONSE]", "Here are my reasoning steps:\n"),
+        ),
         ("Qwen-Qwen2.5-7B-Instruct", None),
     ],
 )
-def test_reasoning_markers(name: str, markers: tuple[str, str] | None) -> None:
+def test_reasoning_markers(name: str, markers: tuple[str, ...] | None) -> None:
     found = analyze(template(name).render_probe).reasoning
     assert found == (ReasoningSyntax(*markers) if markers else None)
 
@@ -103,3 +107,27 @@ def test_analysis_takes_well_under_50_ms_a_template() -> None:
         format_for(t.source, t.render_probe)
         slowest = max(slowest, time.perf_counter() - started)
     assert slowest < 0.2  # a shared, loaded machine: the budget is 50 ms, typical is < 15
+
+
+def test_a_template_that_renders_arguments_as_given_gets_json_text() -> None:
+    from sluice.core.request import GenerationRequest
+    from sluice.local.plan import OutputPlan
+
+    t = template("meetkai-functionary-medium-v3.2")
+    fmt = format_for(t.source, t.render_probe)
+    assert fmt.tools is not None and fmt.tools.arguments_text and fmt.opening == ">>>"
+    call = {"id": "c1", "type": "function", "function": {"name": "get", "arguments": {"a": 1}}}
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+    ]
+    plan = OutputPlan.build(GenerationRequest(messages=messages), fmt=fmt)
+    prompt = t.render(plan.prepare_messages(messages))
+    assert '>>>get\n{"a": 1}' in prompt and prompt.endswith(">>>")
+
+
+def test_a_template_that_names_only_think_still_splits_reasoning() -> None:
+    source = "{% for m in messages %}{{ m['content'] }}{% endfor %}{# <think> #}"
+    t = ChatTemplate(source, bos_token="", eos_token="", model_id="x")
+    assert format_for(source, t.render_probe).reasoning == ReasoningSyntax("<think>", "</think>")

@@ -26,7 +26,7 @@ def family(name: str) -> ToolSyntax:
     source = bundled(name)
     assert source is not None
     template = ChatTemplate(source, bos_token="<s>", eos_token="</s>", model_id=name)
-    syntax = analyze(template.render_probe).tools
+    syntax = analyze(template.render_probe, source).tools
     assert syntax is not None
     return syntax
 
@@ -103,6 +103,24 @@ CASES = [
         '[TOOL_CALLS][{"name": "get", "arguments": {"city": "Paris"}, "id": "abc123def"}]',
         "",
         [("get", {"city": "Paris"})],
+    ),
+    (
+        "Apertus-8B-Instruct",  # the name is the object's key
+        (
+            '<|tools_prefix|>[{"get": {"city": "Paris", "days": 2}}, '
+            '{"special_function": {"arg1": 1}}]<|tools_suffix|>'
+        ),
+        "",
+        [("get", {"city": "Paris", "days": 2}), ("special_function", {"arg1": 1})],
+    ),
+    (
+        "openbmb-MiniCPM5-1B",  # a value in CDATA may hold its own closing tag
+        (
+            'Run:<function name="python"><param name="code"><![CDATA[if a < b:\n'
+            '    print("</param>")]]></param></function>'
+        ),
+        "Run:",
+        [("python", {"code": 'if a < b:\n    print("</param>")'})],
     ),
 ]
 

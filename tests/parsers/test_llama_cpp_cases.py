@@ -212,6 +212,19 @@ def test_llama_cpp_case(base: str, case: Case, dialect: str) -> None:
     assert problem is None, problem
 
 
+def test_known_failures_name_cases_that_run() -> None:
+    """Each listed failure is a case (and dialect) the test asks, so a stale entry
+    cannot hide behind a skip."""
+    by_id = {c.id: c for c in CASES}
+    stale = []
+    for entry in sorted(KNOWN_FAILURES):
+        case_id, _, dialect = entry.partition("@")
+        case = by_id.get(case_id)
+        if case is None or (dialect and not _applies(dialect, case)):
+            stale.append(entry)
+    assert stale == [], f"known_failures.txt lists cases that do not run: {stale}"
+
+
 # -- a few cases on the other dialects ----------------------------------------------------
 
 _SAMPLED = (

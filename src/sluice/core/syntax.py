@@ -60,6 +60,7 @@ STRING_FLAG = "{string}"
 # In TaggedArgs.value_suffix: the argument's name, where the closing markup repeats it
 # (MiniMax-M3: <city>Paris</city>).
 KEY_NAME = "{key}"
+CDATA_OPEN, CDATA_CLOSE = "<![CDATA[", "]]>"  # an XML value taken literally
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +73,7 @@ class TaggedArgs:
     key_suffix: str
     value_prefix: str
     value_suffix: str
+    cdata: bool = False  # a value may come as <![CDATA[...]]> (its inside is the value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +113,8 @@ class ToolSyntax:
     section_start: str = ""
     section_end: str = ""
     separator: str = ""
+    # The template renders past calls' arguments as given: they must be JSON text.
+    arguments_text: bool = False
 
     @property
     def opener(self) -> str:
@@ -124,10 +128,13 @@ class ToolSyntax:
 @dataclass(frozen=True, slots=True)
 class ReasoningSyntax:
     """Reasoning between ``start`` and ``end``; an empty ``start`` means the output
-    begins with reasoning whenever the generation prompt asks for it."""
+    begins with reasoning whenever the generation prompt asks for it. ``lead``: what
+    the generation prompt writes of that reasoning itself (Apriel's "Here are my
+    reasoning steps:"), read as its beginning, as llama.cpp reads it."""
 
     start: str
     end: str
+    lead: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,5 +148,8 @@ class OutputFormat:
     content_end: str = ""
     end_of_turn: str = ""  # markup that ends the turn (never content)
     strip: tuple[str, ...] = ()  # other markup that is never content
+    # Markup the generation prompt ends with and the output goes on from (functionary's
+    # ">>>" before the recipient): read as the output's beginning where the prompt has it.
+    opening: str = ""
     # Markup the model writes as special tokens, to keep in the text it returns.
     special: tuple[str, ...] = field(default=())

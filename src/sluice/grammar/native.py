@@ -44,13 +44,22 @@ def supports(syntax: ToolSyntax) -> bool:
     return not any(isinstance(e, (PythonArgs, GemmaArgs)) for e in syntax.call)
 
 
-def syntax_grammar(tools: list[ToolSpec], syntax: ToolSyntax, *, max_calls: int) -> str:
+def syntax_grammar(
+    tools: list[ToolSpec], syntax: ToolSyntax, *, max_calls: int, opened: str = ""
+) -> str:
     """Output that is one to ``max_calls`` calls of ``tools`` written in ``syntax``
-    (from its opening markup on)."""
+    (from its opening markup on; ``opened``: what the prompt already wrote of it)."""
     if not tools:
         raise InvalidRequest("No tools to call.", param="tools")
     rules: list[str] = []
     names = []
+    firsts = []  # the first call, its opening cut by what the prompt wrote
+    section_start = syntax.section_start
+    head = syntax.call[0] if syntax.call else None
+    if opened and section_start.startswith(opened):
+        section_start, opened = section_start[len(opened) :], ""
+    elif not (isinstance(head, Lit) and head.text.startswith(opened)):
+        opened = ""
     for i, tool in enumerate(tools):
         check(
             f"start: {_schema(tool.parameters or {'type': 'object'}, tool.param)}\n",
@@ -60,13 +69,20 @@ def syntax_grammar(tools: list[ToolSpec], syntax: ToolSyntax, *, max_calls: int)
         parts = [_element(e, i, tool, rules) for e in syntax.call]
         rules.append(f"tool_{i}: " + " ".join(p for p in parts if p))
         names.append(f"tool_{i}")
+        if opened and isinstance(head, Lit):
+            first = [_lit(head.text[len(opened) :]), *parts[1:]]
+            rules.append(f"first_{i}: " + " ".join(p for p in first if p))
+            firsts.append(f"first_{i}")
     sep = _literal(syntax.separator) if syntax.separator else ""
     more = ""
     if max_calls > 1:
         more = f" ({sep + ' ' if sep else ''}call){{0,{max_calls - 1}}}"
-    body = f"call{more}"
-    start = " ".join(p for p in (_lit(syntax.section_start), body, _lit(syntax.section_end)) if p)
-    grammar = "\n".join([f"start: {start}", f"call: {' | '.join(names)}", *rules]) + "\n"
+    body = f"{'first' if firsts else 'call'}{more}"
+    start = " ".join(p for p in (_lit(section_start), body, _lit(syntax.section_end)) if p)
+    lines = [f"start: {start}", f"call: {' | '.join(names)}"]
+    if firsts:
+        lines.append(f"first: {' | '.join(firsts)}")
+    grammar = "\n".join([*lines, *rules]) + "\n"
     return check(grammar, "tools", "tool grammar")
 
 

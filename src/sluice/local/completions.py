@@ -31,7 +31,7 @@ from sluice.engine.engine import Engine
 from sluice.engine.types import EngineRequest
 from sluice.grammar.build import after_reasoning
 from sluice.local.parsing import parse_stream
-from sluice.local.plan import OutputPlan, ReasoningMarkers, ToolLimits
+from sluice.local.plan import OutputPlan, ToolLimits
 from sluice.local.prompt import ControlTextGuard
 from sluice.local.stream import EventStream
 from sluice.local.templates import ChatTemplate
@@ -80,8 +80,7 @@ class CompletionService:
             source, template.render_probe if source else None, options.tool_format
         )
         self.tool_format = self.format.name
-        found = self.format.reasoning
-        self.reasoning = ReasoningMarkers(found.start, found.end) if found else None
+        self.reasoning = self.format.reasoning
         self.guard = ControlTextGuard(self.runner.control_texts)
         self.tool_limits = options.tool_limits
 
@@ -106,10 +105,15 @@ class CompletionService:
         prompt_text = self.template.render(
             self.guard.escape(messages), extra=self.guard.escape(extra)
         )
+        if plan.opening and not prompt_text.endswith(plan.opening):
+            plan.opening = ""  # the prompt did not write it (no generation prompt)
         if plan.reasoning is not None:
             start, end = plan.reasoning.start, plan.reasoning.end
             opened = template_opens_think(prompt_text, start, end) if start else True
             plan.reasoning_opened = opened
+            lead = plan.reasoning.lead
+            if opened and lead and prompt_text.endswith(lead):
+                plan.reasoning_lead = lead
             if opened and plan.grammar is not None and not plan.triggers:
                 # The prompt opened a reasoning block: the grammar engages after it.
                 plan.grammar = after_reasoning(plan.grammar, end)

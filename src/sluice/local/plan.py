@@ -25,7 +25,7 @@ from typing import Any
 
 from sluice.core.errors import InvalidRequest
 from sluice.core.request import GenerationRequest
-from sluice.core.syntax import OutputFormat, ToolSyntax
+from sluice.core.syntax import OutputFormat, ReasoningSyntax, ToolSyntax
 from sluice.grammar import (
     CallFraming,
     ToolSpec,
@@ -39,7 +39,7 @@ from sluice.parsers.base import StreamParser
 from sluice.parsers.elements import first_chunk
 from sluice.parsers.formatted import FormatParser, openers
 from sluice.parsers.harmony import HarmonyParser
-from sluice.parsers.markup import MarkupStripper
+from sluice.parsers.markup import MarkupStripper, Prepend
 from sluice.parsers.reasoning import ReasoningParser
 from sluice.parsers.registry import tool_parser
 
@@ -77,12 +77,6 @@ class ToolLimits:
     max_schema_bytes: int = 131072
 
 
-@dataclass(frozen=True, slots=True)
-class ReasoningMarkers:
-    start: str
-    end: str
-
-
 @dataclass(slots=True)
 class OutputPlan:
     """How one chat request's output is constrained and parsed."""
@@ -92,12 +86,14 @@ class OutputPlan:
     tool_choice: str = "none"  # none | auto | required | function:<name>
     grammar: str | None = None
     trigger_tag: str | None = None  # the call opening that engages a lazy grammar
-    reasoning: ReasoningMarkers | None = None
+    reasoning: ReasoningSyntax | None = None
     reasoning_opened: bool = False
+    reasoning_lead: str = ""  # what the prompt wrote of the opened reasoning
     raw_tool_choice: str | dict[str, Any] | None = None
     parallel: bool = True
     syntax: ToolSyntax | None = None  # the family's own call syntax (``fmt`` "auto")
     markup: tuple[str, ...] = ()  # never content: the markup around the answer
+    opening: str = ""  # what the prompt wrote of the output (OutputFormat.opening)
 
     @classmethod
     def build(
@@ -105,7 +101,7 @@ class OutputPlan:
         body: GenerationRequest,
         *,
         fmt: str | OutputFormat,
-        reasoning: ReasoningMarkers | None = None,
+        reasoning: ReasoningSyntax | None = None,
         limits: ToolLimits = ToolLimits(),
     ) -> OutputPlan:
         """The plan for ``body``; :class:`InvalidRequest` (400) naming the field if not.
@@ -114,11 +110,13 @@ class OutputPlan:
         (its reasoning markers then come from it)."""
         syntax = None
         markup: tuple[str, ...] = ()
+        opening = ""
         if isinstance(fmt, OutputFormat):
             if fmt.reasoning is not None and reasoning is None:
-                reasoning = ReasoningMarkers(fmt.reasoning.start, fmt.reasoning.end)
+                reasoning = fmt.reasoning
             syntax = fmt.tools
             markup = (fmt.content_start, fmt.content_end, *fmt.strip)
+            opening = fmt.opening
             fmt = fmt.name
         tools = _validate_tools(body.tools, limits)
         choice = _tool_choice(body.tool_choice, tools)
@@ -133,13 +131,18 @@ class OutputPlan:
             parallel=body.parallel_tool_calls is not False,
             syntax=syntax,
             markup=tuple(m for m in markup if m),
+            opening=opening,
         )
         json_grammar = _response_format_grammar(response_schema, limits)
         trigger = first_chunk(syntax.opener) if syntax is not None else TRIGGERS.get(fmt)
+        if opening:  # the first call goes on from the prompt: no opening to trigger on
+            trigger = None
         constrainable = syntax is None or supports(syntax)
         if (choice == "required" or choice.startswith("function:")) and constrainable:
             named = choice.split(":", 1)[1] if choice != "required" else None
-            plan.grammar = _call_grammar(tools, named, fmt, body.parallel_tool_calls, syntax)
+            plan.grammar = _call_grammar(
+                tools, named, fmt, body.parallel_tool_calls, syntax, opening
+            )
         elif json_grammar is not None:
             plan.grammar = json_grammar
         elif choice == "auto" and trigger and constrainable:
@@ -199,7 +202,8 @@ class OutputPlan:
     def prepare_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Messages as the template should see them (tool history included)."""
         if self.fmt != "generic":
-            return [_native_message(m) for m in messages]
+            as_text = self.syntax is not None and self.syntax.arguments_text
+            return [_native_message(m, as_text) for m in messages]
         out = [_generic_message(m) for m in messages]
         if self.uses_tools:
             prompt = generic.tool_system_prompt(self.tools, self.raw_tool_choice, self.parallel)
@@ -221,7 +225,7 @@ class OutputPlan:
         """The chain of streaming parsers for one choice (reasoning first)."""
         if self.fmt == "harmony":  # gpt-oss: one parser for channels, reasoning and calls
             return [HarmonyParser(choice)]
-        chain: list[StreamParser] = []
+        chain: list[StreamParser] = [Prepend(choice, self.opening)] if self.opening else []
         if self.reasoning is not None:
             chain.append(
                 ReasoningParser(
@@ -229,6 +233,7 @@ class OutputPlan:
                     self.reasoning.start,
                     self.reasoning.end,
                     opened=self.reasoning_opened,
+                    lead=self.reasoning_lead,
                     interrupt=self._call_openers(),
                 )
             )
@@ -258,9 +263,10 @@ def _call_grammar(
     fmt: str,
     parallel: bool | None,
     syntax: ToolSyntax | None,
+    opening: str = "",
 ) -> str:
     """Calls of ``tools`` (or only the one named), arguments per each tool's schema,
-    in the family's own syntax when it has one."""
+    in the family's own syntax when it has one (``opening``: what the prompt wrote)."""
     specs = [
         ToolSpec(
             t["function"]["name"],
@@ -272,7 +278,7 @@ def _call_grammar(
     ]
     max_calls = _max_calls(parallel, len(specs))
     if syntax is not None:
-        return syntax_grammar(specs, syntax, max_calls=max_calls)
+        return syntax_grammar(specs, syntax, max_calls=max_calls, opened=opening)
     return tool_call_grammar(specs, FRAMINGS[fmt], max_calls=max_calls)
 
 
@@ -442,14 +448,16 @@ def _arguments_text(arguments: Any) -> str:
     return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
 
 
-def _native_message(message: dict[str, Any]) -> dict[str, Any]:
-    """HF-convention templates expect tool-call arguments as objects."""
+def _native_message(message: dict[str, Any], as_text: bool = False) -> dict[str, Any]:
+    """HF-convention templates expect tool-call arguments as objects (a few as the
+    JSON text, ``as_text``)."""
     if not message.get("tool_calls"):
         return message
     calls = []
     for call in message["tool_calls"]:
         fn = dict(call.get("function") or {})
-        fn["arguments"] = _arguments_object(fn.get("arguments", {}))
+        args = fn.get("arguments", {})
+        fn["arguments"] = _arguments_text(args) if as_text else _arguments_object(args)
         calls.append({**call, "function": fn})
     return {**message, "tool_calls": calls}
 

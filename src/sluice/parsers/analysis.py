@@ -23,6 +23,7 @@ from dataclasses import replace
 from typing import Any
 
 from sluice.core.syntax import (
+    CDATA_OPEN,
     STRING_FLAG,
     CallId,
     CallObject,
@@ -147,7 +148,7 @@ def analyze_reasoning(probe: _Probe) -> ReasoningSyntax | None:
             if not start:
                 start = _opening_of(end, thought[:at])
             if _is_markup(end) and (not start or _is_markup(start)):
-                return ReasoningSyntax(start, end)
+                return ReasoningSyntax(start, end, "" if start else _lead(probe, plain))
     # A block the generation prompt opens (and a template that never shows reasoning).
     gen = probe([_user()], True)
     if gen:
@@ -156,11 +157,23 @@ def analyze_reasoning(probe: _Probe) -> ReasoningSyntax | None:
             if tail.endswith(start):
                 return ReasoningSyntax(start, end)
     # A template that only names its markers (in instructions, or in code the probes
-    # do not reach).
+    # do not reach, as DeepSeek-R1's distills cut past reasoning from history). Naming
+    # ``<think>`` alone is enough: sluice has always read it wherever a template says it.
     for start, end in _KNOWN_BLOCKS:
-        if start in probe.source and end in probe.source:
+        if start in probe.source and (end in probe.source or start == "<think>"):
             return ReasoningSyntax(start, end)
     return None
+
+
+def _lead(probe: _Probe, plain: str) -> str:
+    """What a generation prompt writes after the assistant's turn opens, beyond what an
+    answered turn has there: the start of reasoning the turn opens without markup."""
+    gen = probe([_user()], True)
+    if not gen or ANSWER not in plain:
+        return ""
+    head = plain[: plain.index(ANSWER)]
+    at = common_prefix(head, gen)
+    return gen[at:] if at == len(head) else ""
 
 
 def _is_markup(text: str) -> bool:
@@ -224,7 +237,17 @@ def analyze_tools(probe: _Probe) -> ToolSyntax | None:
         return None
     haystack = _differing(plain, one)
     pair = _differing(plain, two) if two is not None and FUN_2 in two else None
-    return _syntax(haystack, pair)
+    found = _syntax(haystack, pair)
+    if found is not None and as_text:  # it renders arguments only as given, as JSON text
+        found = replace(found, arguments_text=True)
+    if found is not None and CDATA_OPEN in probe.source:  # MiniCPM5 wraps values in CDATA
+        found = replace(
+            found,
+            call=tuple(
+                replace(e, cdata=True) if isinstance(e, TaggedArgs) else e for e in found.call
+            ),
+        )
+    return found
 
 
 def _differing(plain: str, other: str) -> str:

@@ -25,7 +25,14 @@ import json
 import re
 from typing import Any
 
-from sluice.core.syntax import KEY_NAME, STRING_FLAG, CallObject, TaggedArgs
+from sluice.core.syntax import (
+    CDATA_CLOSE,
+    CDATA_OPEN,
+    KEY_NAME,
+    STRING_FLAG,
+    CallObject,
+    TaggedArgs,
+)
 from sluice.parsers.common import WHITESPACE, partial_tag_len
 from sluice.parsers.jsonscan import ArgsCollector, ToolCallScanner
 
@@ -177,7 +184,9 @@ class CallObjectReader:
     __slots__ = ("_pending", "_scan", "call_id", "value")
 
     def __init__(self, spec: CallObject) -> None:
-        self._scan = ToolCallScanner(spec.name_key, spec.args_keys, id_key=spec.id_key)
+        self._scan = ToolCallScanner(
+            spec.name_key, spec.args_keys, id_key=spec.id_key, name_is_key=spec.name_is_key
+        )
         self._pending = ""
         self.value: str | None = None
         self.call_id: str | None = None
@@ -216,6 +225,10 @@ class _Tag(enum.Enum):
     VALUE = "value"
     VALUE_SUFFIX = "value_suffix"
     FLAG = "flag"  # string="true|false" in the key's markup
+    CDATA = "cdata"  # inside <![CDATA[...]]>
+
+
+_READ_STATES = frozenset((_Tag.KEY, _Tag.VALUE, _Tag.FLAG, _Tag.CDATA))  # not literal markup
 
 
 class TaggedArgsReader:
@@ -227,6 +240,7 @@ class TaggedArgsReader:
         "_end",
         "_end_text",
         "_flag",
+        "_fresh",
         "_key",
         "_lit",
         "_out",
@@ -258,6 +272,7 @@ class TaggedArgsReader:
         self._sent_value = 0
         self._stringy = False
         self._flag: bool | None = None  # what the markup said (STRING_FLAG), if it says
+        self._fresh = False  # at a value's first character (where CDATA may open)
         self._out = ""
         self.count = 0
 
@@ -291,7 +306,7 @@ class TaggedArgsReader:
                     return i, MORE
                 self._out += "}" if self.count else "{}"
                 return i, DONE
-            if state is not _Tag.KEY and state is not _Tag.VALUE and state is not _Tag.FLAG:
+            if state not in _READ_STATES:
                 assert self._lit is not None
                 i, status = self._lit.feed(text, i, final)
                 if status is FAIL and state is _Tag.VALUE_SUFFIX and final:
@@ -303,7 +318,7 @@ class TaggedArgsReader:
                 elif state is _Tag.KEY_SUFFIX:
                     self._begin_value()
                 elif state is _Tag.VALUE_PREFIX:
-                    self._state, self._value, self._sent_value = _Tag.VALUE, "", 0
+                    self._start_value()
                 else:
                     self._state = _Tag.BETWEEN
                 continue
@@ -341,10 +356,21 @@ class TaggedArgsReader:
                 self._lit = LitReader(spec.key_suffix.partition(STRING_FLAG)[2])
                 self._state = _Tag.KEY_SUFFIX
                 continue
-            # VALUE
-            at = text.find(self._suffix, i) if self._suffix else -1
+            if state is _Tag.VALUE and self._fresh:
+                rest = text[i : i + len(CDATA_OPEN)]
+                if rest == CDATA_OPEN:
+                    self._fresh = False
+                    self._state = _Tag.CDATA
+                    i += len(CDATA_OPEN)
+                    continue
+                if CDATA_OPEN.startswith(rest) and not final and len(rest) < len(CDATA_OPEN):
+                    return i, MORE  # CDATA may still open (or nothing came yet)
+                self._fresh = False
+            # VALUE (up to its closing markup) or CDATA (up to "]]>", then the closing)
+            stop = CDATA_CLOSE if state is _Tag.CDATA else self._suffix
+            at = text.find(stop, i) if stop else -1
             if at == -1:
-                keep = 0 if final else partial_tag_len(text[i:], (self._suffix,))
+                keep = 0 if final else partial_tag_len(text[i:], (stop,))
                 self._value += text[i : n - keep]
                 if not final:
                     self._stream_value()
@@ -356,7 +382,7 @@ class TaggedArgsReader:
             self._end_value()
             self._lit = LitReader(self._closing)
             self._state = _Tag.VALUE_SUFFIX
-            i = at
+            i = at + len(CDATA_CLOSE) if state is _Tag.CDATA else at
 
     def _begin_value(self) -> None:
         self._closing = self.spec.value_suffix.replace(KEY_NAME, self._key)
@@ -372,7 +398,11 @@ class TaggedArgsReader:
             self._lit = LitReader(self.spec.value_prefix)
             self._state = _Tag.VALUE_PREFIX
         else:
-            self._state, self._value, self._sent_value = _Tag.VALUE, "", 0
+            self._start_value()
+
+    def _start_value(self) -> None:
+        self._state, self._value, self._sent_value = _Tag.VALUE, "", 0
+        self._fresh = self.spec.cdata
 
     def _stream_value(self) -> None:
         if not self._stringy:

@@ -32,7 +32,6 @@ from sluice.core.syntax import (
     ToolSyntax,
 )
 from sluice.parsers.analysis import Render, analyze
-from sluice.parsers.registry import detect_reasoning
 
 # Formats with a hand-written parser of their own (sluice.parsers.registry).
 LEGACY = ("hermes", "llama3", "mistral", "generic")
@@ -103,6 +102,16 @@ MINIMAX_M3 = OutputFormat(
     strip=("</mm:think>",),
 )
 
+FUNCTIONARY_V3_2 = OutputFormat(
+    name="auto",
+    # Functionary v3.2: ">>>RECIPIENT\n" before each message; the recipient "all" is the
+    # user (the answer), any other a function (its JSON arguments follow). The
+    # generation prompt writes the first ">>>".
+    tools=ToolSyntax(call=(Lit(">>>"), Name(), Lit("\n"), JsonArgs()), arguments_text=True),
+    content_start=">>>all\n",
+    opening=">>>",
+)
+
 # Hand-written families: (alternatives of markers only that family's template has, its
 # format); as llama.cpp recognises them (common/chat.cpp, specialized templates).
 FAMILIES: tuple[tuple[tuple[tuple[str, ...], ...], OutputFormat], ...] = (
@@ -110,6 +119,7 @@ FAMILIES: tuple[tuple[tuple[tuple[str, ...], ...], OutputFormat], ...] = (
     ((("<|tool_calls_section_begin|>", "<|tool_call_begin|>"),), KIMI_K2),
     ((("<|tool_call>call:",),), GEMMA_4),
     (((_MM, "<invoke name="),), MINIMAX_M3),
+    ((("'>>>all", "recipient"),), FUNCTIONARY_V3_2),
     (
         (("<|tool_list_start|>", "<|tool_list_end|>"), ("List of tools: [",)),
         OutputFormat(
@@ -137,11 +147,6 @@ def format_for(
     if not text or render is None:
         return OutputFormat(name="generic")
     found = analyze(render, text)
-    think = detect_reasoning(text)
-    if found.reasoning is None and think is not None:
-        # A template that hides past reasoning from its probes (DeepSeek-R1's distills
-        # cut it from history) still names the markers its model writes.
-        found = replace(found, reasoning=ReasoningSyntax(*think))
     for alternatives, family in FAMILIES:
         if any(all(m in text for m in markers) for markers in alternatives):
             return replace(

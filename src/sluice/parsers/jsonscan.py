@@ -212,6 +212,7 @@ class ToolCallScanner:
         "failed",
         "id_key",
         "name",
+        "name_is_key",
         "name_key",
         "raw",
     )
@@ -221,8 +222,10 @@ class ToolCallScanner:
         name_key: str = "name",
         argument_keys: tuple[str, ...] = ("arguments", "parameters"),
         id_key: str | None = None,
+        name_is_key: bool = False,
     ) -> None:
         self.name_key = name_key
+        self.name_is_key = name_is_key  # {"NAME": {arguments}}
         self.argument_keys = argument_keys
         self.id_key = id_key
         self.call_id: str | None = None
@@ -349,6 +352,10 @@ class ToolCallScanner:
         if state is _State.KEY_STR:
             self._key = str(value)
             self._state = _State.COLON
+            if self.name_is_key and self.name is None:
+                if not self._key:
+                    return False
+                self.name = step.name = self._key
             return True
         if state is _State.ID_STR:
             self.call_id = str(value)
@@ -361,7 +368,14 @@ class ToolCallScanner:
         return True
 
     def _value(self, c: str) -> None:
-        if self._key == self.name_key and self.name is None:
+        if self.name_is_key:
+            if self._args is None and self._key == self.name:
+                self._args = ArgsCollector()
+                self._state = _State.ARGS
+            else:
+                self._skip = JsonValueScanner()
+                self._state = _State.SKIP
+        elif self._key == self.name_key and self.name is None:
             self._state, self._tok = _State.NAME_STR, ""
         elif self._key == self.id_key and self.call_id is None and c == '"':
             self._state, self._tok = _State.ID_STR, ""

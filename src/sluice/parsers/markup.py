@@ -49,3 +49,26 @@ class MarkupStripper:
     def flush(self) -> list[Event]:
         out, self._buf = self._strip(self._buf), ""
         return [TextDelta(self.choice, out)] if out else []
+
+
+class Prepend:
+    """The output as if it began with ``text``: markup the generation prompt ended with
+    and the model's output goes on from (functionary's ``>>>`` before a recipient)."""
+
+    __slots__ = ("_text", "choice")
+
+    def __init__(self, choice: int, text: str) -> None:
+        self.choice = choice
+        self._text = text
+
+    @property
+    def called_tools(self) -> bool:
+        return False
+
+    def feed(self, text: str) -> list[Event]:
+        if self._text and text:
+            text, self._text = self._text + text, ""
+        return [TextDelta(self.choice, text)] if text else []
+
+    def flush(self) -> list[Event]:
+        return []  # no output: nothing went on from the prompt

@@ -34,12 +34,13 @@ class ReasoningParser:
 
     ``opened=True`` means the prompt already ends with the start tag, so the
     output begins inside reasoning (a start tag written again is reasoning text, as
-    llama.cpp reads it). ``interrupt``: a tool call's opening markup; inside reasoning
+    llama.cpp reads it); ``lead`` is what the prompt wrote inside it, reported as the
+    reasoning's beginning. ``interrupt``: a tool call's opening markup; inside reasoning
     that never closes it ends the reasoning (a model that calls without closing its
     reasoning first), inside reasoning that closes later it is reasoning text.
     """
 
-    __slots__ = ("_buf", "_state", "choice", "end", "interrupt", "opened", "start")
+    __slots__ = ("_buf", "_lead", "_state", "choice", "end", "interrupt", "opened", "start")
 
     def __init__(
         self,
@@ -48,6 +49,7 @@ class ReasoningParser:
         end: str = "</think>",
         opened: bool = False,
         interrupt: tuple[str, ...] = (),
+        lead: str = "",
     ) -> None:
         self.choice = choice
         self.start = start
@@ -56,6 +58,7 @@ class ReasoningParser:
         self.interrupt = tuple(m for m in interrupt if m)
         self._state = _State.REASONING if opened else _State.START
         self._buf = ""
+        self._lead = lead if opened else ""  # the prompt's part of the reasoning
 
     @property
     def called_tools(self) -> bool:
@@ -139,5 +142,7 @@ class ReasoningParser:
         return best
 
     def _reasoning(self, events: list[Event], text: str) -> None:
+        if self._lead:
+            text, self._lead = self._lead + text, ""
         if text:
             events.append(ReasoningDelta(self.choice, text))
