@@ -33,6 +33,9 @@ FAMILIES = [
     "moonshotai-Kimi-K2",
     "ByteDance-Seed-OSS",
     "openai-gpt-oss-120b",
+    "Apertus-8B-Instruct",
+    "meetkai-functionary-medium-v3.2",
+    "muse-glimmer",
 ]
 TOOLS: Any = [
     {

@@ -50,6 +50,12 @@ class IdName:
 
 
 @dataclass(frozen=True, slots=True)
+class Recipient:
+    """Where the message goes, written before the call that names the function (Muse
+    Glimmer's ``to=NAME``): read and not kept; constrained calls write the name."""
+
+
+@dataclass(frozen=True, slots=True)
 class JsonArgs:
     """The arguments as one JSON object, passed on as written."""
 
@@ -99,7 +105,18 @@ class PythonArgs:
     """Python keyword arguments in parentheses: ``(a=1, b="x", c=[1, 2])``."""
 
 
-Element = Lit | Name | CallId | IdName | JsonArgs | TaggedArgs | CallObject | PythonArgs | GemmaArgs
+Element = (
+    Lit
+    | Name
+    | CallId
+    | IdName
+    | Recipient
+    | JsonArgs
+    | TaggedArgs
+    | CallObject
+    | PythonArgs
+    | GemmaArgs
+)
 
 
 @dataclass(frozen=True, slots=True)

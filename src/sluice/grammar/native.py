@@ -29,6 +29,7 @@ from sluice.core.syntax import (
     Lit,
     Name,
     PythonArgs,
+    Recipient,
     TaggedArgs,
     ToolSyntax,
 )
@@ -94,7 +95,7 @@ def _element(element: Element, i: int, tool: ToolSpec, rules: list[str]) -> str:
     params = tool.parameters or {"type": "object"}
     if isinstance(element, Lit):
         return _lit(element.text)
-    if isinstance(element, Name):
+    if isinstance(element, (Name, Recipient)):
         return _literal(tool.name)
     if isinstance(element, CallId):
         return _ID

@@ -28,6 +28,7 @@ from sluice.core.syntax import (
     OutputFormat,
     PythonArgs,
     ReasoningSyntax,
+    Recipient,
     TaggedArgs,
     ToolSyntax,
 )
@@ -112,6 +113,31 @@ FUNCTIONARY_V3_2 = OutputFormat(
     opening=">>>",
 )
 
+_MUSE = "<|start|>assistant"
+MUSE_GLIMMER = OutputFormat(
+    name="auto",
+    # Muse Glimmer: the turn is messages "<|start|>assistant to=RECIPIENT<|message|>...",
+    # each ended by <|eom|> (another follows) or <|eot|>: reasoning to "self", the
+    # answer to "user", a call to the function, in ATEM markup. The generation
+    # prompt writes the first "<|start|>assistant".
+    tools=ToolSyntax(
+        call=(
+            Lit(_MUSE + " to="),
+            Recipient(),
+            Lit('<|message|><atem:function_calls>\n<atem:invoke name="'),
+            Name(),
+            Lit('">\n'),
+            TaggedArgs('<atem:parameter name="', '">', "", "</atem:parameter>\n"),
+            Lit("</atem:invoke>\n</atem:function_calls>"),
+        ),
+        separator="<|eom|>",
+    ),
+    reasoning=ReasoningSyntax(_MUSE + " to=self<|message|>", "<|eom|>"),
+    content_start=_MUSE + " to=user<|message|>",
+    strip=(_MUSE + "<|message|>", "<|eom|>"),
+    opening=_MUSE,
+)
+
 # Hand-written families: (alternatives of markers only that family's template has, its
 # format); as llama.cpp recognises them (common/chat.cpp, specialized templates).
 FAMILIES: tuple[tuple[tuple[tuple[str, ...], ...], OutputFormat], ...] = (
@@ -120,6 +146,7 @@ FAMILIES: tuple[tuple[tuple[tuple[str, ...], ...], OutputFormat], ...] = (
     ((("<|tool_call>call:",),), GEMMA_4),
     (((_MM, "<invoke name="),), MINIMAX_M3),
     ((("'>>>all", "recipient"),), FUNCTIONARY_V3_2),
+    ((("<atem:function_calls>", "to=self"),), MUSE_GLIMMER),
     (
         (("<|tool_list_start|>", "<|tool_list_end|>"), ("List of tools: [",)),
         OutputFormat(

@@ -32,6 +32,7 @@ from sluice.core.syntax import (
     Lit,
     Name,
     PythonArgs,
+    Recipient,
     TaggedArgs,
     ToolSyntax,
 )
@@ -128,7 +129,7 @@ class _Call:
             return PythonArgsReader()
         if isinstance(element, GemmaArgs):
             return GemmaArgsReader()
-        if isinstance(element, IdName):
+        if isinstance(element, (IdName, Recipient)):
             return NameReader(stop=first_chunk(_next_literal(self.elements, k))[:1] or None)
         raise TypeError(f"unknown element {element!r}")
 
@@ -154,6 +155,8 @@ class _Call:
                     self.name = _name_in_id(reader.value or "", element)
                 elif isinstance(element, CallId):
                     self.call_id = reader.value
+                elif isinstance(element, Recipient):
+                    pass  # the function is named later
                 else:
                     self.name = reader.value
             elif isinstance(reader, CallObjectReader):
