@@ -106,3 +106,28 @@ def test_calls_named_by_their_key() -> None:
     g = syntax_grammar([WEATHER], apertus, max_calls=1)
     assert matches(g, '<|tools_prefix|>[{"get_weather": {"city": "Paris"}}]<|tools_suffix|>')
     assert not matches(g, '<|tools_prefix|>[{"get_weather": {"days": 2}}]<|tools_suffix|>')
+
+
+def test_nested_values_are_written_as_nested_markup() -> None:
+    from sluice.parsers.families import MINIMAX_M3
+
+    assert MINIMAX_M3.tools is not None
+    ns = "]<]minimax[>["
+    tool = ToolSpec(
+        "f",
+        {
+            "type": "object",
+            "properties": {
+                "point": {"type": "object", "properties": {"x": {"type": "number"}}},
+                "tags": {"type": "array", "items": {"type": "string"}},
+            },
+            "required": ["point", "tags"],
+        },
+    )
+    g = syntax_grammar([tool], MINIMAX_M3.tools, max_calls=1)
+    head, tail = f'{ns}<tool_call>\n{ns}<invoke name="f">', f"{ns}</invoke>\n{ns}</tool_call>"
+    point = f"{ns}<point>{ns}<x>1.5{ns}</x>{ns}</point>"
+    assert matches(g, f"{head}{point}{ns}<tags>{ns}<item>a{ns}</item>{ns}</tags>{tail}")
+    assert matches(g, f"{head}{point}{ns}<tags>{ns}</tags>{tail}")
+    assert not matches(g, f'{head}{ns}<point>{{"x": 1.5}}{ns}</point>{ns}<tags>{ns}</tags>{tail}')
+    assert not matches(g, f"{head}{point}{ns}<tags>a{ns}</tags>{tail}")

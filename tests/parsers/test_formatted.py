@@ -193,3 +193,40 @@ def test_a_call_cut_short_ends_with_what_there_is() -> None:
     content, calls, _ = run(syntax, 'Hi<call>get:7<args>{"city": "Par', 2)
     assert content == "Hi"
     assert calls == [{"name": "get", "id": "7", "args": '{"city": "Par'}]
+
+
+def test_nested_markup_values_follow_the_schema() -> None:
+    from sluice.parsers.families import MINIMAX_M3
+
+    assert MINIMAX_M3.tools is not None
+    ns = "]<]minimax[>["
+    types = {
+        "f": {
+            "point": {"type": "object", "properties": {"x": {"type": "number"}}},
+            "tags": {"type": "array", "items": {"type": "string"}},
+            "limit": {"oneOf": [{"type": "integer"}, {"type": "object"}]},
+            "label": {"anyOf": [{"type": "string"}, {"type": "object"}]},
+        }
+    }
+    text = (
+        f'{ns}<tool_call>\n{ns}<invoke name="f">{ns}<point>{ns}<x>1.5{ns}</x>{ns}</point>'
+        f"{ns}<tags>{ns}<item>a{ns}</item>{ns}<item>b{ns}</item>{ns}</tags>"
+        f"{ns}<limit>3{ns}</limit>{ns}<label>{ns}<b>hi{ns}</b>{ns}</label>"
+        f'{ns}</invoke>\n{ns}<invoke name="f">{ns}</invoke>\n{ns}</tool_call>'
+    )
+    for step in (1, 3, 1000):
+        parser = FormatParser(0, MINIMAX_M3.tools, types)
+        events = [e for k in range(0, len(text), step) for e in parser.feed(text[k : k + step])]
+        events += parser.flush()
+        args = ["", ""]
+        for e in events:
+            if isinstance(e, ToolCallDelta):
+                args[e.index] += e.arguments
+        assert json.loads(args[0]) == {
+            "point": {"x": 1.5},
+            "tags": ["a", "b"],
+            "limit": 3,
+            "label": f"{ns}<b>hi{ns}</b>",  # a union with a string reads as the string
+        }
+        assert json.loads(args[1]) == {}
+        assert not [e for e in events if isinstance(e, TextDelta) and e.text.strip()]

@@ -80,6 +80,9 @@ class TaggedArgs:
     value_prefix: str
     value_suffix: str
     cdata: bool = False  # a value may come as <![CDATA[...]]> (its inside is the value)
+    # Objects and arrays written as nested markup, per the parameter's schema (MiniMax-M3:
+    # <number><real>1.5</real></number>, <tags><item>a</item></tags>).
+    nested: bool = False
 
 
 @dataclass(frozen=True, slots=True)

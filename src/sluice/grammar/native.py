@@ -19,6 +19,7 @@ from typing import Any
 
 from sluice.core.errors import InvalidRequest
 from sluice.core.syntax import (
+    KEY_NAME,
     STRING_FLAG,
     CallId,
     CallObject,
@@ -121,32 +122,85 @@ def _element(element: Element, i: int, tool: ToolSpec, rules: list[str]) -> str:
 def _tagged(
     spec: TaggedArgs, i: int, params: dict[str, Any], tool: ToolSpec, rules: list[str]
 ) -> str:
+    return _members(spec, f"{i}", params, tool, rules)
+
+
+def _members(
+    spec: TaggedArgs, name: str, params: dict[str, Any], tool: ToolSpec, rules: list[str]
+) -> str:
+    """An object's members, each in the markup: required ones in order, optional ones
+    where the schema lists them."""
     found = params.get("properties")
     props: dict[str, Any] = found if isinstance(found, dict) else {}
     required = set(params.get("required") or []) if isinstance(params, dict) else set()
     seq = []
     for j, (key, schema) in enumerate(props.items()):
-        rule = f"p_{i}_{j}"
-        flag = "true" if _is_string(schema) else "false"
-        suffix = spec.key_suffix.replace(STRING_FLAG, flag)
-        head = _lit(spec.key_prefix + key + suffix + spec.value_prefix)
-        choices = schema.get("enum") if isinstance(schema, dict) else None
-        if _is_string(schema) and isinstance(choices, list) and choices:
-            # One of the listed strings, written as it is.
-            alts = " | ".join(_literal(str(c)) for c in choices)
-            rules.append(f"v_{i}_{j}: {alts}")
-            parts = [head, f"v_{i}_{j}", _lit(spec.value_suffix)]
-        elif _is_string(schema):
-            # Any text up to the closing markup (a lazy lexeme: it ends at the first one).
-            rules.append(f"v_{i}_{j}[stop={json.dumps(spec.value_suffix)}]: /(.|\\n)*/")
-            parts = [head, f"v_{i}_{j}"]
-        else:
-            value = schema if isinstance(schema, dict) else {}
-            rules.append(f"v_{i}_{j}: {_schema(value, tool.param)}")
-            parts = [head, f"v_{i}_{j}", _lit(spec.value_suffix)]
-        rules.append(f"{rule}: " + " ".join(p for p in parts if p))
+        rule = f"p_{name}_{j}"
+        value = schema if isinstance(schema, dict) else {}
+        rules.append(f"{rule}: " + _member(spec, f"{name}_{j}", key, value, tool, rules))
         seq.append(rule if key in required else f"{rule}?")
     return " ".join(seq)
+
+
+def _member(
+    spec: TaggedArgs, name: str, key: str, schema: dict[str, Any], tool: ToolSpec, rules: list[str]
+) -> str:
+    """One argument: its opening markup, its value, its closing markup."""
+    flag = "true" if _is_string(schema) else "false"
+    suffix = spec.key_suffix.replace(STRING_FLAG, flag)
+    head = _lit(spec.key_prefix + key + suffix + spec.value_prefix)
+    closing = spec.value_suffix.replace(KEY_NAME, key)
+    return f"{head} {_value(spec, name, schema, closing, tool, rules)}"
+
+
+def _value(
+    spec: TaggedArgs,
+    name: str,
+    schema: dict[str, Any],
+    closing: str,
+    tool: ToolSpec,
+    rules: list[str],
+) -> str:
+    """A value and the markup that closes it."""
+    value = f"v_{name}"
+    choices = schema.get("enum")
+    alternatives = schema.get("anyOf") or schema.get("oneOf")
+    stringy = _is_string(schema) or (spec.nested and _may_be_string(schema))
+    if stringy and isinstance(choices, list) and choices:
+        # One of the listed strings, written as it is.
+        rules.append(f"{value}: " + " | ".join(_literal(str(c)) for c in choices))
+    elif stringy:
+        # Any text up to the closing markup (a lazy lexeme: it ends at the first one).
+        rules.append(f"{value}[stop={json.dumps(closing)}]: /(.|\\n)*/")
+        return value
+    elif spec.nested and isinstance(alternatives, list) and alternatives:
+        options = [
+            _value(spec, f"{name}_{k}", a if isinstance(a, dict) else {}, closing, tool, rules)
+            for k, a in enumerate(alternatives)
+        ]
+        rules.append(f"{value}: " + " | ".join(f"({o})" for o in options))
+        return value
+    elif spec.nested and isinstance(schema.get("properties"), dict) and schema["properties"]:
+        rules.append(f"{value}: {_members(spec, name, schema, tool, rules)}")
+    elif spec.nested and schema.get("type") == "array":
+        items = schema.get("items")
+        item = _member(
+            spec, f"{name}_i", "item", items if isinstance(items, dict) else {}, tool, rules
+        )
+        rules.append(f"{value}: ({item})*")
+    else:
+        rules.append(f"{value}: {_schema(schema, tool.param)}")
+    return f"{value} {_lit(closing)}"
+
+
+def _may_be_string(schema: dict[str, Any]) -> bool:
+    alternatives = schema.get("anyOf") or schema.get("oneOf") or []
+    kind = schema.get("type")
+    return (
+        kind == "string"
+        or (isinstance(kind, list) and "string" in kind)
+        or any(isinstance(a, dict) and _may_be_string(a) for a in alternatives)
+    )
 
 
 def _is_string(schema: Any) -> bool:

@@ -385,10 +385,17 @@ class TaggedArgsReader:
             i = at + len(CDATA_CLOSE) if state is _Tag.CDATA else at
 
     def _begin_value(self) -> None:
-        self._closing = self.spec.value_suffix.replace(KEY_NAME, self._key)
-        self._suffix = first_chunk(self._closing)
+        spec = self.spec
+        self._closing = spec.value_suffix.replace(KEY_NAME, self._key)
+        # A closing tag named by the key is found whole (values may nest other tags).
+        named = KEY_NAME in spec.value_suffix
+        self._suffix = self._closing if named else first_chunk(self._closing)
         flag, self._flag = self._flag, None
-        self._stringy = flag if flag is not None else _is_string(self.types.get(self._key))
+        schema = self.types.get(self._key)
+        if flag is not None:
+            self._stringy = flag
+        else:
+            self._stringy = _may_be_string(schema) if spec.nested else _is_string(schema)
         head = "{" if self.count == 0 else ", "
         self._out += head + json.dumps(self._key, ensure_ascii=False) + ": "
         self.count += 1
@@ -419,6 +426,10 @@ class TaggedArgsReader:
             value = value[: -len(tail)]
         if self._stringy:
             self._out += _escape(value[self._sent_value :]) + '"'
+        elif self.spec.nested and value.lstrip().startswith(self.spec.key_prefix):
+            schema = self.types.get(self._key)
+            nested = _markup_value(value, schema if isinstance(schema, dict) else {}, self.spec)
+            self._out += json.dumps(nested, ensure_ascii=False)
         else:
             self._out += _typed(value)
         self._value = ""
@@ -432,6 +443,80 @@ def _is_string(schema: Any) -> bool:
     if isinstance(kind, list):
         return kind == ["string"]
     return kind == "string"
+
+
+def _may_be_string(schema: Any) -> bool:
+    """Whether a string is one of the values ``schema`` allows (a union with a string
+    alternative reads as a string, as llama.cpp reads it)."""
+    if not isinstance(schema, dict):
+        return False
+    kind = schema.get("type")
+    if kind == "string" or (isinstance(kind, list) and "string" in kind):
+        return True
+    alternatives = schema.get("anyOf") or schema.get("oneOf") or []
+    return any(_may_be_string(a) for a in alternatives)
+
+
+def _tags(text: str, spec: TaggedArgs) -> list[tuple[str, str]] | None:
+    """``text`` as a sequence of elements ``(tag, inside)`` in ``spec``'s markup, or None
+    if it is not one."""
+    out: list[tuple[str, str]] = []
+    i, n = skip_ws(text, 0), len(text)
+    while i < n:
+        if not text.startswith(spec.key_prefix, i):
+            return None
+        at = text.find(spec.key_suffix, i + len(spec.key_prefix))
+        if at == -1:
+            return None
+        tag = text[i + len(spec.key_prefix) : at]
+        opening = spec.key_prefix + tag + spec.key_suffix
+        closing = spec.value_suffix.replace(KEY_NAME, tag)
+        start = j = at + len(spec.key_suffix)
+        depth = 1
+        while depth:  # the matching close, past any element of the same name inside
+            close = text.find(closing, j)
+            if close == -1:
+                return None
+            again = text.find(opening, j, close)
+            if again != -1:
+                depth, j = depth + 1, again + len(opening)
+            else:
+                depth, j = depth - 1, close + len(closing)
+        out.append((tag, text[start : j - len(closing)]))
+        i = skip_ws(text, j)
+    return out
+
+
+def _fits(tags: list[tuple[str, str]] | None, schema: dict[str, Any]) -> bool:
+    """Whether elements (or plain text, None) have the shape ``schema`` asks for."""
+    kind = schema.get("type")
+    if kind == "array":
+        return bool(tags is not None and all(t == "item" for t, _ in tags))
+    if kind == "object" or "properties" in schema:
+        props = schema.get("properties") or {}
+        names = {t for t, _ in tags or []}
+        return tags is not None and names <= set(props) and set(schema.get("required", [])) <= names
+    return tags is None
+
+
+def _markup_value(text: str, schema: dict[str, Any], spec: TaggedArgs) -> Any:
+    """A value written as nested markup, read as the JSON its schema describes."""
+    tags = _tags(text, spec)
+    alternatives = schema.get("anyOf") or schema.get("oneOf")
+    if alternatives:
+        schema = next((a for a in alternatives if isinstance(a, dict) and _fits(tags, a)), {})
+    if tags is None:
+        return json.loads(_typed(text)) if not _is_string(schema) else text
+    if schema.get("type") == "array" or (not schema and tags and all(t == "item" for t, _ in tags)):
+        items = schema.get("items")
+        item = items if isinstance(items, dict) else {}
+        return [_markup_value(inside, item, spec) for _, inside in tags]
+    props = schema.get("properties") or {}
+    out: dict[str, Any] = {}
+    for tag, inside in tags:
+        sub = props.get(tag)
+        out[tag] = _markup_value(inside, sub if isinstance(sub, dict) else {}, spec)
+    return out
 
 
 def _typed(value: str) -> str:

@@ -93,7 +93,7 @@ MINIMAX_M3 = OutputFormat(
             Lit(_MM + '<invoke name="'),
             Name(),
             Lit('">'),
-            TaggedArgs(_MM + "<", ">", "", _MM + "</" + KEY_NAME + ">"),
+            TaggedArgs(_MM + "<", ">", "", _MM + "</" + KEY_NAME + ">", nested=True),
             Lit(_MM + "</invoke>\n"),
         ),
         section_start=_MM + "<tool_call>\n",

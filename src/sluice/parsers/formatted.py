@@ -358,14 +358,20 @@ class FormatParser:
         buf = self._buf
         i = skip_ws(buf, 0)
         rest = buf[i:]
+        head = syntax.call[0].text if isinstance(syntax.call[0], Lit) else ""
         options = [
-            (first_chunk(syntax.section_end), "close"),
-            (first_chunk(syntax.separator), "sep"),
-            (first_chunk(syntax.call[0].text) if isinstance(syntax.call[0], Lit) else "", "call"),
+            (first_chunk(syntax.section_end), "close", syntax.section_end),
+            (first_chunk(syntax.separator), "sep", syntax.separator),
+            (first_chunk(head), "call", head),
         ]
-        for marker, kind in options:
-            if not marker or not rest.startswith(marker):
-                continue
+        matched = [(m, kind, full) for m, kind, full in options if m and rest.startswith(m)]
+        if len(matched) > 1:  # markup that begins alike (MiniMax-M3's namespace token)
+            read = [(LitReader(full).feed(rest, 0, final)[1], m, k) for m, k, full in matched]
+            done = [(m, k, "") for status, m, k in read if status is DONE]
+            if not done and not final and any(status is MORE for status, _, _ in read):
+                return False
+            matched = done or matched[:1]
+        for marker, kind, _ in matched:
             self._buf = buf[i:]
             if kind == "close":
                 self._state = _State.CLOSE
@@ -375,7 +381,7 @@ class FormatParser:
                     self._buf = self._buf[len(marker) :]
                 self._new_call()
             return True
-        if not final and any(m and m.startswith(rest) for m, _ in options):
+        if not final and any(m and m.startswith(rest) for m, _, _ in options):
             return False  # not decided yet (or only whitespace so far)
         self._to_content()
         return True
