@@ -131,3 +131,20 @@ def test_nested_values_are_written_as_nested_markup() -> None:
     assert matches(g, f"{head}{point}{ns}<tags>{ns}</tags>{tail}")
     assert not matches(g, f'{head}{ns}<point>{{"x": 1.5}}{ns}</point>{ns}<tags>{ns}</tags>{tail}')
     assert not matches(g, f"{head}{point}{ns}<tags>a{ns}</tags>{tail}")
+
+
+def test_kimi_k3_writes_each_argument_s_type_and_the_call_s_index() -> None:
+    from sluice.parsers.families import KIMI_K3
+
+    assert KIMI_K3.tools is not None
+    g = syntax_grammar([WEATHER], KIMI_K3.tools, max_calls=2)
+    call = (
+        '<|open|>call tool="get_weather" index="1"<|sep|>'
+        '<|open|>argument key="city" type="string"<|sep|>Paris<|close|>argument<|sep|>'
+        '<|open|>argument key="days" type="number"<|sep|>2<|close|>argument<|sep|>'
+        "<|close|>call<|sep|>"
+    )
+    assert matches(g, f"<|open|>tools<|sep|>{call}<|close|>tools<|sep|>")
+    assert matches(g, f"<|open|>tools<|sep|>{call}{call.replace('1', '2')}<|close|>tools<|sep|>")
+    wrong = call.replace('type="number"', 'type="string"')
+    assert not matches(g, f"<|open|>tools<|sep|>{wrong}<|close|>tools<|sep|>")

@@ -317,6 +317,24 @@ def test_reasoning_markers_are_configurable() -> None:
     assert fold_every_split(make, "<|think|>a<b<|/think|>c") == ("c", "a<b", [])
 
 
+def test_the_answer_s_opening_ends_reasoning_left_open() -> None:
+    # Kimi K3: a model may go from its opened think block straight to the response
+    def make() -> StreamParser:
+        return ReasoningParser(
+            0, "<|open|>think<|sep|>", "<|close|>think<|sep|>", opened=True, answer="<|open|>r>"
+        )
+
+    assert fold_every_split(make, "hmm<|open|>r>Hi") == ("<|open|>r>Hi", "hmm", [])
+    assert fold_every_split(make, "a<|close|>think<|sep|><|open|>r>b") == ("<|open|>r>b", "a", [])
+
+
+def test_the_prompt_s_words_lead_the_reasoning() -> None:
+    def make() -> StreamParser:
+        return ReasoningParser(0, "", "[END]", opened=True, lead="Steps:\n")
+
+    assert fold_every_split(make, "one[END]Hi") == ("Hi", "Steps:\none", [])
+
+
 def chain(fmt: str, opened: bool = False) -> Callable[[], StreamParser]:
     """Reasoning first; only its content goes on to the tool parser (as the server chains)."""
 

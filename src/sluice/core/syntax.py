@@ -56,6 +56,11 @@ class Recipient:
 
 
 @dataclass(frozen=True, slots=True)
+class Index:
+    """The call's number in its turn (Kimi K3's ``index="1"``): read and not kept."""
+
+
+@dataclass(frozen=True, slots=True)
 class JsonArgs:
     """The arguments as one JSON object, passed on as written."""
 
@@ -63,6 +68,9 @@ class JsonArgs:
 # In TaggedArgs.key_suffix: where the markup says true or false for "the value is a
 # string" (DeepSeek's DSML: <｜DSML｜parameter name="x" string="false">42</...>).
 STRING_FLAG = "{string}"
+# In TaggedArgs.key_suffix: where the markup names the value's JSON type (Kimi K3:
+# <|open|>argument key="x" type="number"<|sep|>); the tool's schema decides, as in llama.cpp.
+TYPE_NAME = "{type}"
 # In TaggedArgs.value_suffix: the argument's name, where the closing markup repeats it
 # (MiniMax-M3: <city>Paris</city>).
 KEY_NAME = "{key}"
@@ -114,6 +122,7 @@ Element = (
     | CallId
     | IdName
     | Recipient
+    | Index
     | JsonArgs
     | TaggedArgs
     | CallObject

@@ -21,11 +21,13 @@ from sluice.core.errors import InvalidRequest
 from sluice.core.syntax import (
     KEY_NAME,
     STRING_FLAG,
+    TYPE_NAME,
     CallId,
     CallObject,
     Element,
     GemmaArgs,
     IdName,
+    Index,
     JsonArgs,
     Lit,
     Name,
@@ -100,6 +102,8 @@ def _element(element: Element, i: int, tool: ToolSpec, rules: list[str]) -> str:
         return _literal(tool.name)
     if isinstance(element, CallId):
         return _ID
+    if isinstance(element, Index):
+        return "/[1-9][0-9]{0,2}/"
     if isinstance(element, IdName):
         return f"{_literal(element.prefix + tool.name + element.sep)} /[0-9]{{1,3}}/"
     if isinstance(element, JsonArgs):
@@ -147,7 +151,7 @@ def _member(
 ) -> str:
     """One argument: its opening markup, its value, its closing markup."""
     flag = "true" if _is_string(schema) else "false"
-    suffix = spec.key_suffix.replace(STRING_FLAG, flag)
+    suffix = spec.key_suffix.replace(STRING_FLAG, flag).replace(TYPE_NAME, _json_type(schema))
     head = _lit(spec.key_prefix + key + suffix + spec.value_prefix)
     closing = spec.value_suffix.replace(KEY_NAME, key)
     return f"{head} {_value(spec, name, schema, closing, tool, rules)}"
@@ -191,6 +195,14 @@ def _value(
     else:
         rules.append(f"{value}: {_schema(schema, tool.param)}")
     return f"{value} {_lit(closing)}"
+
+
+def _json_type(schema: dict[str, Any]) -> str:
+    """The JSON type a value of ``schema`` has, as Kimi K3's markup names it."""
+    kind = schema.get("type")
+    if kind == "integer":
+        return "number"
+    return kind if isinstance(kind, str) else "string"
 
 
 def _may_be_string(schema: dict[str, Any]) -> bool:

@@ -94,6 +94,7 @@ class OutputPlan:
     syntax: ToolSyntax | None = None  # the family's own call syntax (``fmt`` "auto")
     markup: tuple[str, ...] = ()  # never content: the markup around the answer
     opening: str = ""  # what the prompt wrote of the output (OutputFormat.opening)
+    answer_start: str = ""  # the answer's opening markup (OutputFormat.content_start)
 
     @classmethod
     def build(
@@ -110,13 +111,13 @@ class OutputPlan:
         (its reasoning markers then come from it)."""
         syntax = None
         markup: tuple[str, ...] = ()
-        opening = ""
+        opening = answer_start = ""
         if isinstance(fmt, OutputFormat):
             if fmt.reasoning is not None and reasoning is None:
                 reasoning = fmt.reasoning
             syntax = fmt.tools
             markup = (fmt.content_start, fmt.content_end, *fmt.strip)
-            opening = fmt.opening
+            opening, answer_start = fmt.opening, fmt.content_start
             fmt = fmt.name
         tools = _validate_tools(body.tools, limits)
         choice = _tool_choice(body.tool_choice, tools)
@@ -132,6 +133,7 @@ class OutputPlan:
             syntax=syntax,
             markup=tuple(m for m in markup if m),
             opening=opening,
+            answer_start=answer_start,
         )
         json_grammar = _response_format_grammar(response_schema, limits)
         trigger = first_chunk(syntax.opener) if syntax is not None else TRIGGERS.get(fmt)
@@ -234,6 +236,7 @@ class OutputPlan:
                     self.reasoning.end,
                     opened=self.reasoning_opened,
                     lead=self.reasoning_lead,
+                    answer=self.answer_start,
                     interrupt=self._call_openers(),
                 )
             )

@@ -30,6 +30,7 @@ from sluice.core.syntax import (
     CDATA_OPEN,
     KEY_NAME,
     STRING_FLAG,
+    TYPE_NAME,
     CallObject,
     TaggedArgs,
 )
@@ -243,6 +244,7 @@ class TaggedArgsReader:
         "_fresh",
         "_key",
         "_lit",
+        "_mark",
         "_out",
         "_sent_value",
         "_state",
@@ -273,6 +275,8 @@ class TaggedArgsReader:
         self._stringy = False
         self._flag: bool | None = None  # what the markup said (STRING_FLAG), if it says
         self._fresh = False  # at a value's first character (where CDATA may open)
+        # where the key's markup says what the value is (STRING_FLAG or TYPE_NAME)
+        self._mark = next((m for m in (STRING_FLAG, TYPE_NAME) if m in spec.key_suffix), "")
         self._out = ""
         self.count = 0
 
@@ -333,27 +337,33 @@ class TaggedArgsReader:
                     return n - keep, MORE
                 self._key = (self._key + text[i:at]).strip()
                 i = at
-                self._lit = LitReader(spec.key_suffix.replace(STRING_FLAG, ""))
-                self._state = _Tag.KEY_SUFFIX
-                if STRING_FLAG in spec.key_suffix:  # the markup says whether it is a string
-                    head, _, _ = spec.key_suffix.partition(STRING_FLAG)
-                    self._lit = LitReader(head)
+                if self._mark:  # the markup says whether it is a string, or its type
+                    self._lit = LitReader(spec.key_suffix.partition(self._mark)[0])
                     self._state = _Tag.FLAG
+                else:
+                    self._lit = LitReader(spec.key_suffix)
+                    self._state = _Tag.KEY_SUFFIX
                 continue
             if state is _Tag.FLAG:
                 assert self._lit is not None
                 i, status = self._lit.feed(text, i, final)
                 if status is not DONE:
                     return i, status
-                rest = text[i:]
-                word = next((w for w in ("true", "false") if rest.startswith(w)), None)
-                if word is None:
-                    if not final and ("true".startswith(rest) or "false".startswith(rest)):
-                        return i, MORE
+                j = i
+                while j < n and text[j].isalpha():
+                    j += 1
+                if j == n and not final:
+                    return i, MORE  # the word may go on
+                word = text[i:j]
+                if self._mark == TYPE_NAME and word:
+                    known = self._key in self.types  # the schema decides where it knows
+                    self._flag = None if known else word == "string"
+                elif word in ("true", "false"):
+                    self._flag = word == "true"
+                else:
                     return i, FAIL
-                self._flag = word == "true"
-                i += len(word)
-                self._lit = LitReader(spec.key_suffix.partition(STRING_FLAG)[2])
+                i = j
+                self._lit = LitReader(spec.key_suffix.partition(self._mark)[2])
                 self._state = _Tag.KEY_SUFFIX
                 continue
             if state is _Tag.VALUE and self._fresh:

@@ -20,8 +20,10 @@ from dataclasses import replace
 
 from sluice.core.syntax import (
     KEY_NAME,
+    TYPE_NAME,
     GemmaArgs,
     IdName,
+    Index,
     JsonArgs,
     Lit,
     Name,
@@ -138,6 +140,35 @@ MUSE_GLIMMER = OutputFormat(
     opening=_MUSE,
 )
 
+KIMI_K3 = OutputFormat(
+    name="auto",
+    # Kimi K3: sections in <|open|>TAG ATTRS<|sep|> ... <|close|>TAG<|sep|> markup:
+    # think, response, then tools with one call each, an argument per key with its type.
+    tools=ToolSyntax(
+        call=(
+            Lit('<|open|>call tool="'),
+            Name(),
+            Lit('" index="'),
+            Index(),
+            Lit('"<|sep|>'),
+            TaggedArgs(
+                '<|open|>argument key="',
+                '" type="' + TYPE_NAME + '"<|sep|>',
+                "",
+                "<|close|>argument<|sep|>",
+            ),
+            Lit("<|close|>call<|sep|>"),
+        ),
+        section_start="<|open|>tools<|sep|>",
+        section_end="<|close|>tools<|sep|>",
+    ),
+    reasoning=ReasoningSyntax("<|open|>think<|sep|>", "<|close|>think<|sep|>"),
+    content_start="<|open|>response<|sep|>",
+    content_end="<|close|>response<|sep|>",
+    strip=("<|close|>message<|sep|>",),
+    end_of_turn="<|end_of_msg|>",
+)
+
 # Hand-written families: (alternatives of markers only that family's template has, its
 # format); as llama.cpp recognises them (common/chat.cpp, specialized templates).
 FAMILIES: tuple[tuple[tuple[tuple[str, ...], ...], OutputFormat], ...] = (
@@ -146,6 +177,7 @@ FAMILIES: tuple[tuple[tuple[tuple[str, ...], ...], OutputFormat], ...] = (
     ((("<|tool_call>call:",),), GEMMA_4),
     (((_MM, "<invoke name="),), MINIMAX_M3),
     ((("'>>>all", "recipient"),), FUNCTIONARY_V3_2),
+    ((("<|open|>", "<|close|>", "open_tag('call'"),), KIMI_K3),
     ((("<atem:function_calls>", "to=self"),), MUSE_GLIMMER),
     (
         (("<|tool_list_start|>", "<|tool_list_end|>"), ("List of tools: [",)),
@@ -179,7 +211,7 @@ def format_for(
             return replace(
                 family,
                 reasoning=family.reasoning or found.reasoning,
-                end_of_turn=found.end_of_turn,
+                end_of_turn=family.end_of_turn or found.end_of_turn,
             )
     if found.tools is None:
         return replace(found, name=_legacy(text))

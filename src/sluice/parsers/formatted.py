@@ -28,6 +28,7 @@ from sluice.core.syntax import (
     Element,
     GemmaArgs,
     IdName,
+    Index,
     JsonArgs,
     Lit,
     Name,
@@ -129,7 +130,7 @@ class _Call:
             return PythonArgsReader()
         if isinstance(element, GemmaArgs):
             return GemmaArgsReader()
-        if isinstance(element, (IdName, Recipient)):
+        if isinstance(element, (IdName, Recipient, Index)):
             return NameReader(stop=first_chunk(_next_literal(self.elements, k))[:1] or None)
         raise TypeError(f"unknown element {element!r}")
 
@@ -155,8 +156,8 @@ class _Call:
                     self.name = _name_in_id(reader.value or "", element)
                 elif isinstance(element, CallId):
                     self.call_id = reader.value
-                elif isinstance(element, Recipient):
-                    pass  # the function is named later
+                elif isinstance(element, (Recipient, Index)):
+                    pass  # not kept (the function is named in its own place)
                 else:
                     self.name = reader.value
             elif isinstance(reader, CallObjectReader):

@@ -35,12 +35,23 @@ class ReasoningParser:
     ``opened=True`` means the prompt already ends with the start tag, so the
     output begins inside reasoning (a start tag written again is reasoning text, as
     llama.cpp reads it); ``lead`` is what the prompt wrote inside it, reported as the
-    reasoning's beginning. ``interrupt``: a tool call's opening markup; inside reasoning
+    reasoning's beginning; ``answer`` (the answer's opening markup) ends a reasoning
+    block the model left open, as llama.cpp reads it. ``interrupt``: a tool call's opening markup; inside reasoning
     that never closes it ends the reasoning (a model that calls without closing its
     reasoning first), inside reasoning that closes later it is reasoning text.
     """
 
-    __slots__ = ("_buf", "_lead", "_state", "choice", "end", "interrupt", "opened", "start")
+    __slots__ = (
+        "_buf",
+        "_lead",
+        "_state",
+        "answer",
+        "choice",
+        "end",
+        "interrupt",
+        "opened",
+        "start",
+    )
 
     def __init__(
         self,
@@ -50,6 +61,7 @@ class ReasoningParser:
         opened: bool = False,
         interrupt: tuple[str, ...] = (),
         lead: str = "",
+        answer: str = "",
     ) -> None:
         self.choice = choice
         self.start = start
@@ -59,6 +71,7 @@ class ReasoningParser:
         self._state = _State.REASONING if opened else _State.START
         self._buf = ""
         self._lead = lead if opened else ""  # the prompt's part of the reasoning
+        self.answer = answer  # the answer's opening markup: it ends reasoning left open
 
     @property
     def called_tools(self) -> bool:
@@ -84,12 +97,19 @@ class ReasoningParser:
                     self._buf = buf[cut:]
                     self._state = _State.HELD
                     continue
+                answer_at = buf.find(self.answer) if self.answer else -1
+                if answer_at != -1 and (at == -1 or answer_at < at):
+                    # The answer opens without the reasoning's end: it ends there.
+                    self._reasoning(events, buf[:answer_at])
+                    self._buf = buf[answer_at:]
+                    self._state = _State.AFTER_END
+                    continue
                 if at != -1:
                     self._reasoning(events, buf[:at])
                     self._buf = buf[at + len(self.end) :]
                     self._state = _State.AFTER_END
                     continue
-                keep = partial_tag_len(buf, (self.end, *self.interrupt))
+                keep = partial_tag_len(buf, (self.end, self.answer, *self.interrupt))
                 self._reasoning(events, buf[: len(buf) - keep])
                 self._buf = buf[len(buf) - keep :]
                 break
