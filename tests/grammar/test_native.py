@@ -148,3 +148,67 @@ def test_kimi_k3_writes_each_argument_s_type_and_the_call_s_index() -> None:
     assert matches(g, f"<|open|>tools<|sep|>{call}{call.replace('1', '2')}<|close|>tools<|sep|>")
     wrong = call.replace('type="number"', 'type="string"')
     assert not matches(g, f"<|open|>tools<|sep|>{wrong}<|close|>tools<|sep|>")
+
+
+def test_text_before_a_control_token_runs_until_the_token() -> None:
+    """A string value whose closing markup opens with a control token ends at that
+    token (a stop string is text, and never sees a control token)."""
+    import llguidance
+
+    from sluice.engine.llg_gate import with_special_tokens
+    from tests.support.bytegrammar import _TOKENIZER
+
+    lark = 'start: "<" v\nv[stop="[END]x"]: /(.|\\n)*/\n'
+    out = with_special_tokens(lark, {"[END]": 256})
+    assert out.splitlines()[1] == 'v: /(.|\\n)*/ (<[256]> "x")'
+    grammar = llguidance.LLMatcher.grammar_from_lark(out)
+    matcher = llguidance.LLMatcher(_TOKENIZER, grammar, log_level=0)
+    assert matcher.consume_tokens([*b"<a [END] b", 256, ord("x")]) and matcher.is_accepting()
+    kept = with_special_tokens('v[stop="</p>"]: /(.|\\n)*/', {"[END]": 256})
+    assert kept == 'v[stop="</p>"]: /(.|\\n)*/'  # text closers stay lazy stops
+
+
+def test_python_and_gemma_arguments_follow_the_schema() -> None:
+    from sluice.core.syntax import GemmaArgs, PythonArgs
+
+    tool = ToolSpec(
+        "f",
+        {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "ok": {"type": "boolean"},
+                "tags": {"type": "array", "items": {"type": "string"}},
+                "extra": {"type": "object"},
+            },
+            "required": ["city"],
+        },
+    )
+    lfm2 = ToolSyntax(
+        call=(Name(), PythonArgs()),
+        section_start="<|tool_call_start|>[",
+        section_end="]<|tool_call_end|>",
+        separator=", ",
+    )
+    g = syntax_grammar([tool], lfm2, max_calls=2)
+    assert matches(g, '<|tool_call_start|>[f(city="Paris")]<|tool_call_end|>')
+    assert matches(
+        g,
+        '<|tool_call_start|>[f(city="Paris", ok=True, tags=["a"], extra={"n": None}), '
+        'f(city="Oslo", tags=[])]<|tool_call_end|>',
+    )
+    assert not matches(g, '<|tool_call_start|>[f(ok=True)]<|tool_call_end|>')  # city required
+    assert not matches(g, '<|tool_call_start|>[f(city=Paris)]<|tool_call_end|>')
+
+    gemma = ToolSyntax(call=(Lit("<|tool_call>call:"), Name(), GemmaArgs(), Lit("<tool_call|>")))
+    g = syntax_grammar([tool], gemma, max_calls=1)
+    q = '<|"|>'
+    assert matches(g, f"<|tool_call>call:f{{city:{q}Paris{q}}}<tool_call|>")
+    # keys in sorted order, as the template writes them; any value where the schema is open
+    assert matches(
+        g,
+        f"<|tool_call>call:f{{city:{q}Paris{q},extra:{{n:[1,{q}x{q}]}},ok:true,"
+        f"tags:[{q}a{q},{q}b{q}]}}<tool_call|>",
+    )
+    assert not matches(g, '<|tool_call>call:f{city:"Paris"}<tool_call|>')
+    assert not matches(g, "<|tool_call>call:f{ok:true}<tool_call|>")

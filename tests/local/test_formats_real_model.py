@@ -36,6 +36,8 @@ FAMILIES = [
     "Apertus-8B-Instruct",
     "meetkai-functionary-medium-v3.2",
     "muse-glimmer",
+    "LFM2.5-8B-A1B",
+    "google-gemma-4-31B-it",
 ]
 TOOLS: Any = [
     {

@@ -75,6 +75,7 @@ TYPE_NAME = "{type}"
 # (MiniMax-M3: <city>Paris</city>).
 KEY_NAME = "{key}"
 CDATA_OPEN, CDATA_CLOSE = "<![CDATA[", "]]>"  # an XML value taken literally
+GEMMA_QUOTE = '<|"|>'  # Gemma 4's string quote (GemmaArgs)
 
 
 @dataclass(frozen=True, slots=True)

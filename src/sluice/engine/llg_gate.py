@@ -76,6 +76,8 @@ class Gate:
 
 
 _LITERAL = re.compile(r'"(?:[^"\\]|\\.)*"')
+# A lazy text rule (grammar.native): ``name[stop="closing"]: /regex/``.
+_LAZY_TEXT = re.compile(r'^([\w-]+)\[stop=("(?:[^"\\]|\\.)*")\]: (/.*/)$')
 
 
 def with_special_tokens(lark: str, special: dict[str, int]) -> str:
@@ -105,7 +107,14 @@ def with_special_tokens(lark: str, special: dict[str, int]) -> str:
 
     lines = []
     for line in lark.split("\n"):
-        if "%json" in line or "[stop=" in line:
+        lazy = _LAZY_TEXT.match(line)
+        if lazy is not None and find.match(json.loads(lazy.group(2))):
+            # Text up to closing markup that opens with a control token: the text cannot
+            # hold the token, so it runs until the token comes (a stop string is text
+            # and would never see it).
+            closing = _LITERAL.sub(literal, lazy.group(2))
+            lines.append(f"{lazy.group(1)}: {lazy.group(3)} {closing}")
+        elif "%json" in line or "[stop=" in line:
             lines.append(line)
         else:
             lines.append(_LITERAL.sub(literal, line))

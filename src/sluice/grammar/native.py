@@ -19,6 +19,7 @@ from typing import Any
 
 from sluice.core.errors import InvalidRequest
 from sluice.core.syntax import (
+    GEMMA_QUOTE,
     KEY_NAME,
     STRING_FLAG,
     TYPE_NAME,
@@ -40,12 +41,24 @@ from sluice.grammar.build import _literal, _schema, check
 from sluice.grammar.spec import ToolSpec
 
 _ID = r"/[A-Za-z0-9]{9}/"
+_CONSTRAINABLE = (
+    Lit,
+    Name,
+    CallId,
+    IdName,
+    Recipient,
+    Index,
+    JsonArgs,
+    TaggedArgs,
+    CallObject,
+    PythonArgs,
+    GemmaArgs,
+)
 
 
 def supports(syntax: ToolSyntax) -> bool:
-    """Whether calls of ``syntax`` can be constrained (Python-style and Gemma 4's
-    arguments cannot, yet)."""
-    return not any(isinstance(e, (PythonArgs, GemmaArgs)) for e in syntax.call)
+    """Whether calls of ``syntax`` can be constrained (every element sluice reads can)."""
+    return all(isinstance(e, _CONSTRAINABLE) for e in syntax.call)
 
 
 def syntax_grammar(
@@ -120,6 +133,14 @@ def _element(element: Element, i: int, tool: ToolSpec, rules: list[str]) -> str:
         return f"{_literal(head)} args_{i} {tail}"
     if isinstance(element, TaggedArgs):
         return _tagged(element, i, params, tool, rules)
+    if isinstance(element, PythonArgs):
+        members = [
+            (f"{_literal(key + '=')} {_python_value(f'{i}_{j}', value, tool, rules)}", req)
+            for j, (key, value, req) in enumerate(_properties(params))
+        ]
+        return f'"(" {_sequence(members, _literal(", "), f"py_{i}", rules)} ")"'
+    if isinstance(element, GemmaArgs):
+        return _gemma_value(f"{i}", params, tool, rules, top=True)
     raise InvalidRequest(f"Calls of this model's format cannot be constrained ({element!r}).")
 
 
@@ -195,6 +216,153 @@ def _value(
     else:
         rules.append(f"{value}: {_schema(schema, tool.param)}")
     return f"{value} {_lit(closing)}"
+
+
+def _properties(params: dict[str, Any]) -> list[tuple[str, dict[str, Any], bool]]:
+    """An object schema's members: (key, schema, required), in the schema's order."""
+    found = params.get("properties")
+    props: dict[str, Any] = found if isinstance(found, dict) else {}
+    required = set(params.get("required") or [])
+    return [(k, v if isinstance(v, dict) else {}, k in required) for k, v in props.items()]
+
+
+def _sequence(members: list[tuple[str, bool]], sep: str, name: str, rules: list[str]) -> str:
+    """Members in order, optional ones left out, ``sep`` between those written."""
+    if not members:
+        return ""
+    n = len(members)
+
+    def after(k: int) -> str:  # the members from k on, once one was written
+        return " ".join(f"({sep} {m})" + ("" if req else "?") for m, req in members[k:])
+
+    for k in range(n - 1, -1, -1):  # s_k: a nonempty run starting at member k or later
+        member, req = members[k]
+        alts = [f"{member} {after(k + 1)}".strip()]
+        if not req and k + 1 < n:
+            alts.append(f"{name}_s{k + 1}")
+        rules.append(f"{name}_s{k}: " + " | ".join(alts))
+    return f"{name}_s0" if any(req for _, req in members) else f"{name}_s0?"
+
+
+def _first(member: tuple[str, dict[str, Any], bool]) -> str:
+    return member[0]
+
+
+def _python_value(name: str, schema: dict[str, Any], tool: ToolSpec, rules: list[str]) -> str:
+    """A keyword argument's value as a Python literal (LFM2's calls)."""
+    kind = schema.get("type")
+    if kind == "boolean":  # LFM2 writes Python's, and sometimes JSON's
+        return '("True" | "False" | "true" | "false")'
+    if kind == "null":
+        return '("None" | "null")'
+    if kind in ("string", "number", "integer") or "enum" in schema or "const" in schema:
+        rules.append(f"v_{name}: {_schema(schema, tool.param)}")  # JSON's is Python's too
+        return f"v_{name}"
+    if kind == "array" and isinstance(schema.get("items"), dict) and schema["items"]:
+        item = _python_value(f"{name}_i", schema["items"], tool, rules)
+        return f'"[" ({item} (", " {item})*)? "]"'
+    if kind == "object" and isinstance(schema.get("properties"), dict) and schema["properties"]:
+        members = [
+            (
+                f"{_literal(json.dumps(key) + ': ')} {_python_value(f'{name}_{j}', v, tool, rules)}",
+                r,
+            )
+            for j, (key, v, r) in enumerate(_properties(schema))
+        ]
+        return f'"{{" {_sequence(members, _literal(", "), f"pyo_{name}", rules)} "}}"'
+    return _generic("py", rules)
+
+
+def _gemma_value(
+    name: str, schema: dict[str, Any], tool: ToolSpec, rules: list[str], top: bool = False
+) -> str:
+    """A value in Gemma 4's notation: strings between its quote marks, bare keys."""
+    quote = _literal(GEMMA_QUOTE)
+    kind = schema.get("type")
+    choices = schema.get("enum")
+    alternatives = schema.get("anyOf") or schema.get("oneOf")
+    props = schema.get("properties")
+    if top or (kind == "object" and isinstance(props, dict) and props):
+        members = [
+            (f"{_literal(key + ':')} {_gemma_value(f'{name}_{j}', value, tool, rules)}", req)
+            for j, (key, value, req) in enumerate(sorted(_properties(schema), key=_first))
+        ]
+        return f'"{{" {_sequence(members, _literal(","), f"g_{name}", rules)} "}}"'
+    if kind == "string" and isinstance(choices, list) and choices:
+        return f"{quote} ({' | '.join(_literal(str(c)) for c in choices)}) {quote}"
+    if kind == "string":
+        rules.append(f"v_{name}[stop={json.dumps(GEMMA_QUOTE)}]: /(.|\\n)*/")
+        return f"{quote} v_{name}"
+    if kind == "array" and isinstance(schema.get("items"), dict) and schema["items"]:
+        item = _gemma_value(f"{name}_i", schema["items"], tool, rules)
+        return f'"[" ({item} ("," {item})*)? "]"'
+    if isinstance(alternatives, list) and alternatives:
+        options = [
+            _gemma_value(f"{name}_{k}", a if isinstance(a, dict) else {}, tool, rules)
+            for k, a in enumerate(alternatives)
+        ]
+        return "(" + " | ".join(f"({o})" for o in options) + ")"
+    if kind in ("number", "integer", "boolean", "null") or "const" in schema:
+        rules.append(f"v_{name}: {_schema(schema, tool.param)}")
+        return f"v_{name}"
+    return _generic("gemma", rules)
+
+
+_NUMBER = r"/-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/"
+_JSON_STRING = r'/"([^"\\]|\\.)*"/'
+
+
+# Any value in a notation: (string, true, false, null, separator, key, colon).
+_NOTATIONS = {
+    # LFM2 writes Python's literals, and sometimes JSON's
+    "py": (_JSON_STRING, '("True" | "true")', '("False" | "false")', '("None" | "null")')
+    + ('", "', _JSON_STRING, '": "'),
+    "gemma": (_literal(GEMMA_QUOTE) + " gemma_text", '"true"', '"false"', '"null"')
+    + ('","', "/[A-Za-z_][A-Za-z0-9_.-]*/", '":"'),
+}
+
+
+def _generic(kind: str, rules: list[str]) -> str:
+    """Any value, where the schema says no more, in Python's or Gemma 4's notation."""
+    name = f"{kind}_any"
+    if any(r.startswith(name + ":") for r in rules):
+        return name
+    if kind == "gemma":
+        rules.append(f"gemma_text[stop={json.dumps(GEMMA_QUOTE)}]: /(.|\\n)*/")
+    string, true, false, null, sep, key, colon = _NOTATIONS[kind]
+    rules.append(
+        f"{name}: {string} | {_NUMBER} | {true} | {false} | {null}"
+        f' | "[" ({name} ({sep} {name})*)? "]"'
+        f' | "{{" ({key} {colon} {name} ({sep} {key} {colon} {name})*)? "}}"'
+    )
+    return name
+    if kind == "py":
+        string, true, false, null, sep, key = (
+            _JSON_STRING,
+            '"True"',
+            '"False"',
+            '"None"',
+            '", "',
+            _JSON_STRING,
+        )
+        colon = '": "'
+    else:
+        rules.append(f"gemma_text[stop={json.dumps(GEMMA_QUOTE)}]: /(.|\\n)*/")
+        string = f"{_literal(GEMMA_QUOTE)} gemma_text"
+        true, false, null, sep, key, colon = (
+            '"true"',
+            '"false"',
+            '"null"',
+            '","',
+            "/[A-Za-z_][A-Za-z0-9_.-]*/",
+            '":"',
+        )
+    rules.append(
+        f"{name}: {string} | {_NUMBER} | {true} | {false} | {null}"
+        f' | "[" ({name} ({sep} {name})*)? "]"'
+        f' | "{{" ({key} {colon} {name} ({sep} {key} {colon} {name})*)? "}}"'
+    )
+    return name
 
 
 def _json_type(schema: dict[str, Any]) -> str:

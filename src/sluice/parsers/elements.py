@@ -28,6 +28,7 @@ from typing import Any
 from sluice.core.syntax import (
     CDATA_CLOSE,
     CDATA_OPEN,
+    GEMMA_QUOTE,
     KEY_NAME,
     STRING_FLAG,
     TYPE_NAME,
@@ -624,7 +625,6 @@ class PythonArgsReader(_WholeArgs):
         return i, DONE
 
 
-GEMMA_QUOTE = '<|"|>'
 _BARE_KEY = re.compile(r"([{,]\s*)([A-Za-z_][\w.\-]*)\s*:")
 
 

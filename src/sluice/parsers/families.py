@@ -188,7 +188,7 @@ FAMILIES: tuple[tuple[tuple[tuple[str, ...], ...], OutputFormat], ...] = (
                 call=(Name(), PythonArgs()),
                 section_start="<|tool_call_start|>[",
                 section_end="]<|tool_call_end|>",
-                separator=",",
+                separator=", ",
             ),
         ),
     ),
