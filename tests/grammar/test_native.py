@@ -197,8 +197,8 @@ def test_python_and_gemma_arguments_follow_the_schema() -> None:
         '<|tool_call_start|>[f(city="Paris", ok=True, tags=["a"], extra={"n": None}), '
         'f(city="Oslo", tags=[])]<|tool_call_end|>',
     )
-    assert not matches(g, '<|tool_call_start|>[f(ok=True)]<|tool_call_end|>')  # city required
-    assert not matches(g, '<|tool_call_start|>[f(city=Paris)]<|tool_call_end|>')
+    assert not matches(g, "<|tool_call_start|>[f(ok=True)]<|tool_call_end|>")  # city required
+    assert not matches(g, "<|tool_call_start|>[f(city=Paris)]<|tool_call_end|>")
 
     gemma = ToolSyntax(call=(Lit("<|tool_call>call:"), Name(), GemmaArgs(), Lit("<tool_call|>")))
     g = syntax_grammar([tool], gemma, max_calls=1)

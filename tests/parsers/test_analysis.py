@@ -131,3 +131,28 @@ def test_a_template_that_names_only_think_still_splits_reasoning() -> None:
     source = "{% for m in messages %}{{ m['content'] }}{% endfor %}{# <think> #}"
     t = ChatTemplate(source, bos_token="", eos_token="", model_id="x")
     assert format_for(source, t.render_probe).reasoning == ReasoningSyntax("<think>", "</think>")
+
+
+def test_gpt_oss_sees_earlier_reasoning_as_thinking() -> None:
+    from sluice.core.request import GenerationRequest
+    from sluice.local.plan import OutputPlan
+
+    t = template("openai-gpt-oss-120b")
+    fmt = format_for(t.source, t.render_probe)
+    call = {"id": "c1", "type": "function", "function": {"name": "get", "arguments": "{}"}}
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "Look it up.",
+            "tool_calls": [call],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+    ]
+    plan = OutputPlan.build(GenerationRequest(messages=messages), fmt=fmt)
+    prompt = t.render(plan.prepare_messages(messages))
+    assert "<|channel|>analysis<|message|>Look it up.<|end|>" in prompt
+    both = [messages[0], {**messages[1], "content": "Let me see."}, messages[2]]
+    prompt = t.render(plan.prepare_messages(both))  # one or the other, as it asks: no error
+    assert "Look it up." not in prompt

@@ -203,6 +203,8 @@ class OutputPlan:
 
     def prepare_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Messages as the template should see them (tool history included)."""
+        if self.fmt == "harmony":  # gpt-oss's template reads earlier reasoning as thinking
+            return [_native_message(_harmony_thinking(m)) for m in messages]
         if self.fmt != "generic":
             as_text = self.syntax is not None and self.syntax.arguments_text
             return [_native_message(m, as_text) for m in messages]
@@ -449,6 +451,18 @@ def _arguments_object(arguments: Any) -> Any:
 
 def _arguments_text(arguments: Any) -> str:
     return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+
+
+def _harmony_thinking(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant turn's reasoning as gpt-oss's template takes it (``thinking``); with
+    both an answer and calls, its template takes one or the other: the answer."""
+    reasoning = message.get("reasoning_content")
+    if message.get("role") != "assistant" or not reasoning or "thinking" in message:
+        return message
+    rest = {k: v for k, v in message.items() if k != "reasoning_content"}
+    if message.get("content") and message.get("tool_calls"):
+        return rest
+    return {**rest, "thinking": reasoning}
 
 
 def _native_message(message: dict[str, Any], as_text: bool = False) -> dict[str, Any]:
