@@ -127,10 +127,12 @@ def test_environment_errors(tmp_path: Path, raw: str, words: str) -> None:
     [
         ("keys = 3\n", {}, "'keys' must be a table ([keys]), not an integer"),
         ("[[keys]]\nalice = 1\n", {}, "'keys' must be a table ([keys]), not a list"),
-        ("[keys]\nalice = 3\n", {}, "'alice' must be a string or { env = \"VARIABLE\" }"),
-        ('[keys]\nalice = { var = "A" }\n', {}, "'alice' must be a string or { env"),
-        ('[keys]\nalice = { env = "A", x = 1 }\n', {}, "'alice' must be a string or { env"),
-        ("[keys]\nalice = { env = 3 }\n", {}, "'alice' must be a string or { env"),
+        ("[keys]\nalice = 3\n", {}, "'alice' must be a string, { key = \"...\" } or { env"),
+        ('[keys]\nalice = { var = "A" }\n', {}, "'alice' must be a string, { key"),
+        ('[keys]\nalice = { env = "A", x = 1 }\n', {}, "'alice' must be a string, { key"),
+        ("[keys]\nalice = { env = 3 }\n", {}, "'alice' must be a string, { key"),
+        ("[keys]\nalice = { key = 3 }\n", {}, "'alice' must be a string, { key"),
+        (f'[keys]\nalice = {{ key = "{ALICE}", role = "root" }}\n', {}, "role 'root'"),
         (
             '[keys]\nalice = { env = "ALICE_KEY" }\n',
             {},

@@ -586,3 +586,40 @@ def test_with_keys_the_page_asks_for_one_once(browser: Any, shots: Path) -> None
             expect(other.get_by_role("dialog", name="API key")).to_be_visible()
         finally:
             ctx.close()
+
+
+def test_a_user_key_is_not_offered_a_load_it_may_not_do(
+    browser: Any, tmp_path: Path, shots: Path
+) -> None:
+    """A user key may not load models: picking one not loaded says it loads with the first
+    message, instead of asking for a load the server refuses."""
+    from playwright.sync_api import expect
+
+    config = tmp_path / "sluice.toml"
+    config.write_text(f'[keys]\nalice = "{KEY}"\n')  # a user key
+    with serve_process("--parallel", "1", "--config", str(config), *QUIET) as keyed:
+        ctx = browser.new_context(viewport={"width": 1000, "height": 700})
+        p = ctx.new_page()
+        errors: list[str] = []
+        p.on("pageerror", lambda e: errors.append(str(e)))
+        try:
+            p.goto(keyed + "/")
+            dialog = p.get_by_role("dialog", name="API key")
+            dialog.get_by_label("API key", exact=True).fill(KEY)
+            dialog.get_by_role("button", name="Use this key").click()
+            expect(dialog).to_be_hidden()
+            picker = p.get_by_role("combobox", name="Model")
+            expect(picker.locator("option[value='gemma-3-270m']")).to_have_text(
+                re.compile(r"not loaded")
+            )
+            picker.select_option("gemma-3-270m")
+            status = p.get_by_role("status")
+            expect(status).to_have_text("gemma-3-270m loads with your first message.")
+            expect(p.locator("#load-progress")).to_be_hidden()
+            expect(p.get_by_role("alert")).to_have_count(0)
+            p.screenshot(path=shots / "user-key-pick.png")
+            health = httpx.get(f"{keyed}/health", timeout=10).json()
+            assert health["models"]["gemma-3-270m"]["status"] == "not_loaded"
+            assert errors == []
+        finally:
+            ctx.close()

@@ -4,7 +4,7 @@ Example::
 
     sluice ps                         # one table of what is generating now
     sluice ps --watch                 # the same, refreshed every second (Ctrl-C quits)
-    sluice ps --cancel chatcmpl-1f2e  # stop one (your key's, or any with a key named admin)
+    sluice ps --cancel chatcmpl-1f2e  # stop one (your key's, or any with an admin key)
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "ps",
         help="list the requests in flight on a running server, or cancel one",
         description="The requests a running sluice server is generating now (GET "
-        "/v1/requests): your key's own, or everyone's with a key named admin.",
+        "/v1/requests): your key's own, or everyone's with an admin key.",
     )
     add_server_args(p)
     p.add_argument("--watch", action="store_true", help="refresh every second until Ctrl-C")

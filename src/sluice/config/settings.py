@@ -70,15 +70,22 @@ class Settings:
         None,
         "server",
         "require 'Authorization: Bearer <key>' on every route but /health and the web "
-        "page's files (/, /ui/...); this key is named 'default'",
+        "page's files (/, /ui/...); this key is named 'default' and is an admin key",
         shown="none",
     )
     api_keys: str | None = setting(
         None,
         "server",
-        "named keys, 'name:key,...' (each request is accounted to its key's name); also "
-        "the config file's [keys] table",
+        "named keys, 'name:key,...' (each request is accounted to its key's name; user keys, "
+        "but one named admin); also the config file's [keys] table, where a key may have "
+        'role = "admin"',
         shown="none",
+    )
+    allow_unauthenticated_admin: bool = setting(
+        False,
+        "server",
+        "with no API keys on an address beyond loopback, let anyone load, unload, download "
+        "and delete models (refused otherwise)",
     )
     log_level: str = setting("info", "server", "debug, info, warning or error")
     prepare_workers: int = setting(
@@ -142,7 +149,11 @@ class Settings:
         shown="learned from the chat template",
     )
     strict_model_names: bool = setting(
-        False, "models", "answer 404 for an unknown 'model' instead of serving the default one"
+        False,
+        "models",
+        "answer 404 for an unknown 'model' on chat and generation routes instead of serving"
+        " the default one (lookups such as `/api/show` and `GET /v1/models/{id}` answer 404"
+        " either way)",
     )
     max_loaded_models: int = setting(
         4, "models", "models loaded at once; the least recently used idle one unloads to make room"

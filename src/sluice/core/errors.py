@@ -80,6 +80,10 @@ class AuthenticationFailed(SluiceError):
     """Missing or wrong API key."""
 
 
+class PermissionDenied(SluiceError):
+    """The caller's key may not do this: managing models needs an admin key."""
+
+
 class ModelNotFound(SluiceError):
     """The requested model is not served here."""
 
@@ -249,6 +253,7 @@ _TABLE: dict[type[SluiceError], ErrorSpec] = {
     MissingChatTemplate: ErrorSpec(400, "invalid_request_error", "missing_chat_template"),
     BodyTooLarge: ErrorSpec(413, "invalid_request_error", "request_too_large"),
     AuthenticationFailed: ErrorSpec(401, "authentication_error", "invalid_api_key"),
+    PermissionDenied: ErrorSpec(403, "permission_error", "admin_key_required"),
     ModelNotFound: ErrorSpec(404, "invalid_request_error", "model_not_found"),
     NotFound: ErrorSpec(404, "invalid_request_error", "not_found"),
     JobNotFound: ErrorSpec(404, "invalid_request_error", "job_not_found"),
@@ -286,6 +291,7 @@ _LMSTUDIO_TYPES: dict[type[SluiceError], str] = {
     InvalidRequest: "invalid_request",
     BodyTooLarge: "invalid_request",
     AuthenticationFailed: "invalid_request",
+    PermissionDenied: "invalid_request",
     ModelNotFound: "model_not_found",
     UpstreamRejected: "invalid_request",
     JobNotFound: "job_not_found",

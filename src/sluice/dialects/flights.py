@@ -1,6 +1,6 @@
 """``GET /v1/requests`` and ``POST /v1/requests/{id}/cancel``: the requests in flight.
 
-Each key sees its own requests; a key named ``admin`` sees and cancels
+Each key sees its own requests; an admin key (role = "admin", or a key named ``admin``) sees and cancels
 everyone's (without keys, every caller is the same anonymous caller and
 sees all). The id is the response id the client already has
 (``chatcmpl-...``, ``msg_...``, ``resp_...``), or ``req_...`` for answers
@@ -15,17 +15,16 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from sluice.core.errors import RequestNotFound
-from sluice.server.auth import key_name
+from sluice.server.auth import is_admin, key_name
 from sluice.server.sse import json_response
 from sluice.server.state import server_state
 
-ADMIN = "admin"  # the key name that sees and cancels every key's requests
-
 
 def _viewer(request: Request) -> str | None:
-    """The key whose requests the caller may see; None: everyone's."""
+    """The key whose requests the caller may see; None: everyone's (an admin key's view,
+    and a server without keys)."""
     key = key_name(request)
-    return None if key in ("", ADMIN) else key
+    return None if key == "" or is_admin(request) else key
 
 
 async def list_requests(request: Request) -> Response:

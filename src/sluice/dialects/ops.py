@@ -19,6 +19,7 @@ from sluice.core.request import SamplerDefaults
 from sluice.local.model import LocalModel
 from sluice.models.entries import ModelStatus
 from sluice.models.files import ModelFile, read_all_model_files, reasoning_capability
+from sluice.server.auth import ADMIN, USER, is_admin, key_name
 from sluice.server.sse import dumps, json_response
 from sluice.server.state import ServerState, server_state
 from sluice.upstream.backend import UpstreamSlot, upstream_context
@@ -133,6 +134,11 @@ async def catalog(request: Request) -> Response:
         "default_model": state.registry.resolve(None).name,
         "models": models,
         "slots": state.metrics.snapshot(),
+        # who is asking: the key's name (null without keys) and whether it may manage models
+        "caller": {
+            "key": key_name(request) or None,
+            "role": ADMIN if is_admin(request) else USER,
+        },
     }
     return Response(dumps(body), media_type="application/json")
 

@@ -150,8 +150,9 @@ class ModelRegistry:
             spec = self._index.get(name.lower())
         return spec
 
-    def _named(self, name: str) -> ModelSpec:
-        """Explicit load and unload never fall back to the default model."""
+    def named(self, name: str) -> ModelSpec:
+        """The spec a name or alias names, else :class:`ModelNotFound` (404): explicit
+        load and unload, and lookups (``/api/show``), never fall back to the default."""
         spec = self._lookup(name)
         if spec is None:
             raise ModelNotFound(name)
@@ -196,7 +197,7 @@ class ModelRegistry:
 
         ``ttl`` (0: never unload when idle) holds against later requests' ttl.
         """
-        lease = await self._acquire(self._named(name), options, progress, ttl, pin=ttl is not None)
+        lease = await self._acquire(self.named(name), options, progress, ttl, pin=ttl is not None)
         lease.release()
         return LoadResult(lease.spec, lease.loaded_now, lease.load_seconds or 0.0)
 
@@ -371,7 +372,7 @@ class ModelRegistry:
 
     async def unload(self, name: str) -> None:
         """Unload now, even with requests in flight (they end with an error frame)."""
-        spec = self._named(name)
+        spec = self.named(name)
         entry = self._entries.get(spec.name.lower())
         if entry is not None and entry.loading is not None and entry.loading.task is not None:
             await asyncio.wait({entry.loading.task})  # let the load finish, then unload it

@@ -9,6 +9,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 from collections.abc import AsyncIterator, Callable
 
@@ -45,7 +46,7 @@ from sluice.dialects.responses import routes as responses
 from sluice.engine.runner import ModelRunner
 from sluice.local.model import LocalModel
 from sluice.models.flights import CALLER, Caller
-from sluice.server.auth import STATE_KEY, ApiKeys, BearerAuth, names_line
+from sluice.server.auth import ADMIN, STATE_KEY, USER, ApiKeys, BearerAuth, names_line
 from sluice.server.sse import error_response
 from sluice.server.state import build_state
 from sluice.store import SQLiteStore
@@ -119,6 +120,37 @@ def render_error_for(path: str) -> Callable[[SluiceError], Response]:
         if path == prefix or path.startswith(prefix + "/"):
             return render
     return error_response
+
+
+# Model management: only an admin key may (server.auth.BearerAuth refuses the rest
+# before anything else is read). Chat that loads a model just in time is normal use.
+_MANAGEMENT = {
+    ("POST", "/api/v1/models/load"): "Loading a model",
+    ("POST", "/api/v1/models/unload"): "Unloading a model",
+    ("POST", "/api/v1/models/download"): "Downloading a model",
+    ("POST", "/api/pull"): "Pulling a model",
+    ("DELETE", "/api/delete"): "Deleting a model",
+    **{("POST", f"/api/{verb}"): "Managing models" for verb in NOT_SERVED},
+}
+_DOWNLOAD_STATUS = "/api/v1/models/download/status/"
+
+
+def management(method: str, path: str) -> str | None:
+    """What ``method path`` does if it manages models (only an admin key may), else None."""
+    what = _MANAGEMENT.get((method, path))
+    if what is None and method == "GET" and path.startswith(_DOWNLOAD_STATUS):
+        return "A download's status"
+    return what
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps the server to this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def create_app(
@@ -277,8 +309,25 @@ def create_app(
         },
     )
     log.info(names_line(keys.names))
+    admins = [n for n in keys.names if keys.role(n) == ADMIN]
     if keys:
-        # The page's files hold nothing secret: it loads, then asks for a key.
-        public = {"/health", *page.paths}
-        return BearerAuth(app, keys, render_error_for, public=public)  # type: ignore[return-value]
-    return app
+        log.info("admin keys (may manage models): %s", ", ".join(admins) or "none")
+    open_admin = is_loopback(settings.host) or settings.allow_unauthenticated_admin
+    if not keys and open_admin:
+        return app
+    if not keys:
+        log.warning(
+            "no API keys on %s: model management (load, unload, download, delete) is "
+            "refused; give keys, or --allow-unauthenticated-admin",
+            settings.host,
+        )
+    # The page's files hold nothing secret: it loads, then asks for a key.
+    public = {"/health", *page.paths}
+    return BearerAuth(  # type: ignore[return-value]
+        app,
+        keys,
+        render_error_for,
+        public=public,
+        admin_only=management,
+        open_role=ADMIN if open_admin else USER,
+    )

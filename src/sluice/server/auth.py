@@ -46,12 +46,15 @@ from starlette.types import Receive, Scope, Send
 
 from sluice.config import Settings
 from sluice.config.file import ConfigError, ConfigFile, describe_value
-from sluice.core.errors import AuthenticationFailed, SluiceError
+from sluice.core.errors import AuthenticationFailed, PermissionDenied, SluiceError
 from sluice.server.sse import error_response
 
 log = logging.getLogger("sluice.api")
 
 DEFAULT_NAME = "default"  # the name of --api-key / SLUICE_API_KEY
+ADMIN, USER = "admin", "user"  # a key's role; a key named "admin" is an admin key
+ROLES = (ADMIN, USER)
+STATE_ROLE = "sluice_role"  # request.state.sluice_role: the caller's role
 MIN_KEY_LENGTH = 8
 STATE_KEY = "sluice_key"  # request.state.sluice_key: the name of the caller's key
 ENV_KEYS = "SLUICE_API_KEYS"
@@ -73,8 +76,15 @@ class ApiKeys:
         bool(ApiKeys({}))            # False: the server is open
     """
 
-    def __init__(self, keys: Mapping[str, str], *, source: str = "keys") -> None:
+    def __init__(
+        self,
+        keys: Mapping[str, str],
+        *,
+        admins: Iterable[str] = (),
+        source: str = "keys",
+    ) -> None:
         self._entries = _checked((source, name, key, MIN_KEY_LENGTH) for name, key in keys.items())
+        self._admins = _admins(self.names, admins)
 
     @classmethod
     def from_settings(
@@ -91,7 +101,9 @@ class ApiKeys:
         """
         env = os.environ if env is None else env
         found: list[tuple[str, str, str, int]] = []  # (source, name, key, minimum length)
+        admins: list[str] = []
         if settings.api_key:
+            admins.append(DEFAULT_NAME)  # the one key the operator starts it with
             # --api-key predates the length rule: a short one still starts, with a warning.
             if len(settings.api_key) < MIN_KEY_LENGTH:
                 log.warning("--api-key is shorter than %d characters", MIN_KEY_LENGTH)
@@ -104,14 +116,20 @@ class ApiKeys:
         if config is not None:
             file = config.path
             table = config_keys(file, config.table("keys"), env)
-            found += [(f"{file} [keys]", n, k, MIN_KEY_LENGTH) for n, k in table.items()]
+            found += [(f"{file} [keys]", n, k, MIN_KEY_LENGTH) for n, (k, _) in table.items()]
+            admins += [n for n, (_, role) in table.items() if role == ADMIN]
         keys = cls({})
         keys._entries = _checked(found)
+        keys._admins = _admins(keys.names, admins)
         return keys
 
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(name for name, _ in self._entries)
+
+    def role(self, name: str) -> str:
+        """``"admin"`` or ``"user"``: what the key named ``name`` may do."""
+        return ADMIN if name in self._admins else USER
 
     def lookup(self, token: str) -> str | None:
         """The name of the key ``token`` is, or ``None``.
@@ -160,39 +178,79 @@ def parse_env_keys(raw: str) -> dict[str, str]:
     return keys
 
 
-def config_keys(file: Path, table: Any, env: Mapping[str, str]) -> dict[str, str]:
-    """The config file's ``[keys]`` table: ``name = "key"`` or ``name = { env = "VAR" }``."""
+_ENTRY = 'a string, { key = "..." } or { env = "VARIABLE" } (either with role = "admin")'
+
+
+def config_keys(file: Path, table: Any, env: Mapping[str, str]) -> dict[str, tuple[str, str]]:
+    """The config file's ``[keys]`` table, as ``{name: (key, role)}``: ``name = "key"``,
+    or a table with the key (``key = "..."``) or where to read it (``env = "VAR"``) and
+    optionally ``role = "admin" | "user"`` (default user; a key named admin is admin)."""
     if table is None:
         return {}
     if not isinstance(table, dict):
         raise ConfigError(f"{file}: 'keys' must be a table ([keys]), not {_kind(table)}")
     source = f"{file} [keys]"
-    keys: dict[str, str] = {}
+    keys: dict[str, tuple[str, str]] = {}
     for name, value in table.items():
         _check_name(source, name)
+        role = ADMIN if name == ADMIN else USER
         if isinstance(value, dict):
-            if set(value) != {"env"} or not isinstance(value["env"], str) or not value["env"]:
-                raise ConfigError(f'{source}: {name!r} must be a string or {{ env = "VARIABLE" }}')
-            var = value["env"]
-            key = env.get(var)
-            if not key:
-                missing = "is not set" if key is None else "is empty"
-                raise ConfigError(f"{source}: {name!r} reads ${var}, which {missing}")
-            _check_key(f"{source} ({name!r} from ${var})", name, key)
+            role = value.get("role", role)
+            if role not in ROLES:
+                raise ConfigError(f"{source}: {name!r} has role {role!r}: admin or user")
+            given = set(value) - {"role"}
+            if given == {"key"} and isinstance(value["key"], str):
+                key = value["key"]
+                _check_key(source, name, key)
+            elif given == {"env"} and isinstance(value["env"], str) and value["env"]:
+                var = value["env"]
+                read = env.get(var)
+                if not read:
+                    missing = "is not set" if read is None else "is empty"
+                    raise ConfigError(f"{source}: {name!r} reads ${var}, which {missing}")
+                key = read
+                _check_key(f"{source} ({name!r} from ${var})", name, key)
+            else:
+                raise ConfigError(f"{source}: {name!r} must be {_ENTRY}")
         elif isinstance(value, str):
             key = value
             _check_key(source, name, key)
         else:
-            raise ConfigError(
-                f'{source}: {name!r} must be a string or {{ env = "VARIABLE" }}, not {_kind(value)}'
-            )
-        keys[name] = key
+            raise ConfigError(f"{source}: {name!r} must be {_ENTRY}, not {_kind(value)}")
+        keys[name] = (key, role)
     return keys
 
 
 def key_name(raw_request: Request) -> str:
     """The name of the key the request came with; ``""`` when the server has no keys."""
     return str(raw_request.scope.get("state", {}).get(STATE_KEY, ""))
+
+
+def is_admin(raw_request: Request) -> bool:
+    """Whether the caller may manage models and see every key's requests: an admin key,
+    or a server with no keys (open, on loopback or as told)."""
+    return bool(raw_request.scope.get("state", {}).get(STATE_ROLE, ADMIN) == ADMIN)
+
+
+def require_admin(raw_request: Request, what: str) -> None:
+    """:class:`PermissionDenied` (403) unless the caller :func:`is_admin`."""
+    if not is_admin(raw_request):
+        raise PermissionDenied(_needs_admin(what, raw_request.scope))
+
+
+def _needs_admin(what: str, scope: Scope) -> str:
+    name = scope.get("state", {}).get(STATE_KEY, "")
+    if not name:
+        return (
+            f"{what} needs an admin key; this server has no keys and listens beyond "
+            "loopback (start it with keys, or --allow-unauthenticated-admin)."
+        )
+    return f"{what} needs an admin key; the key '{name}' is a user key."
+
+
+def _admins(names: Iterable[str], admins: Iterable[str]) -> frozenset[str]:
+    wanted = set(admins) | {ADMIN}  # a key named admin has always been one
+    return frozenset(n for n in names if n in wanted)
 
 
 def names_line(names: Iterable[str]) -> str:
@@ -202,7 +260,9 @@ def names_line(names: Iterable[str]) -> str:
 
 
 class BearerAuth:
-    """Requires a key on every route but the ``public`` paths (``/health`` unless told):
+    """Requires a key on every route but the ``public`` paths (``/health`` unless told),
+    and an admin key on the routes ``admin_only`` names (with no keys, ``open_role``
+    decides):
     ``Authorization: Bearer <key>``, or ``x-api-key: <key>`` (Anthropic's header; the
     same keys). A public path is matched exactly (a set lookup: as cheap as the one
     comparison it replaced), so ``/ui/../v1/models`` is not public.
@@ -226,10 +286,15 @@ class BearerAuth:
         render_for: Callable[[str], Callable[[SluiceError], Response]] | None = None,
         *,
         public: Iterable[str] = ("/health",),
+        admin_only: Callable[[str, str], str | None] = lambda method, path: None,
+        open_role: str = USER,
     ) -> None:
         self.app = app
         self.keys = keys
         self.public = frozenset(public)
+        # What (method, path) does if only an admin may ("Loading a model"), else None.
+        self.admin_only = admin_only
+        self.open_role = open_role  # the caller's role when the server has no keys
         # The refusal in the shape of the dialect at a path (OpenAI's by default).
         self.render_for = render_for or (lambda path: error_response)
 
@@ -238,15 +303,27 @@ class BearerAuth:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] in ("http", "websocket") and scope["path"] not in self.public:
-            name = self._authenticate(scope)
-            if name is None:
-                await self._refuse(scope, receive, send)
-                return
-            scope.setdefault("state", {})[STATE_KEY] = name
-            # The metrics live in the state the lifespan builds; before it there is none.
-            metrics = getattr(getattr(self.app.state, "sluice", None), "metrics", None)
-            if metrics is not None:
-                metrics.count_key(name)
+            if self.keys:
+                name = self._authenticate(scope)
+                if name is None:
+                    await self._refuse(scope, receive, send)
+                    return
+                role = self.keys.role(name)
+                # The metrics live in the state the lifespan builds; before it there is none.
+                metrics = getattr(getattr(self.app.state, "sluice", None), "metrics", None)
+                if metrics is not None:
+                    metrics.count_key(name)
+            else:
+                name, role = "", self.open_role
+            state = scope.setdefault("state", {})
+            state[STATE_KEY] = name
+            state[STATE_ROLE] = role
+            if role != ADMIN and scope["type"] == "http":
+                what = self.admin_only(scope["method"], scope["path"])
+                if what is not None:  # refused before anything else is read
+                    denied = PermissionDenied(_needs_admin(what, scope))
+                    await self.render_for(scope["path"])(denied)(scope, receive, send)
+                    return
         await self.app(scope, receive, send)
 
     def _authenticate(self, scope: Scope) -> str | None:

@@ -170,6 +170,10 @@ def test_version_tags_and_show() -> None:
         version = httpx.get(base + "/api/version", timeout=30).json()["version"]
         tags = httpx.get(base + "/api/tags", timeout=30).json()["models"]
         show = httpx.post(base + "/api/show", json={"model": "scripted:latest"}, timeout=30)
+        # a lookup never falls back to the default model (strict names or not)
+        unknown = httpx.post(base + "/api/show", json={"model": "nope"}, timeout=30)
+    assert unknown.status_code == 404 and set(unknown.json()) == {"error"}
+    assert "nope" in unknown.json()["error"]
     major, minor, _patch = (int(p) for p in version.split("."))
     assert (major, minor) >= (0, 6)
     assert [t["name"] for t in tags] == ["scripted"]

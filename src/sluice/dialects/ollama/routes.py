@@ -65,6 +65,7 @@ from sluice.local.model import LocalModel
 from sluice.models.catalog import delete_from_models_dir
 from sluice.models.dispatch import SlotLease
 from sluice.models.files import ModelFile, read_all_model_files, reasoning_capability
+from sluice.server.auth import require_admin
 from sluice.server.body import read_request_body
 from sluice.server.jsonbody import check_body_limits, check_embed_inputs, parse_json_body
 from sluice.server.respond import CLIENT_GONE, errors_as, respond
@@ -145,6 +146,8 @@ async def _answer(request: Request, wire: type[Wire]) -> Response:
         return Response(status_code=CLIENT_GONE)
     state = server_state(request)
     if _empty(body):
+        if body.unloads():  # an explicit unload is model management
+            require_admin(request, "Unloading a model (keep_alive 0)")
         return await _load_only(state, body, started)
     neutral = body.to_request()
     lease = await _acquire(state, body)
@@ -332,7 +335,7 @@ async def show(request: Request) -> Response:
                 "capabilities": ["completion", "tools"],
             }
         )
-    spec = state.registry.resolve(name)
+    spec = state.registry.named(name)  # a lookup: an unknown name is a 404, never the default
     files = await state.offload.run(lambda: read_all_model_files([spec], state.settings))
     file = files.get(spec.name)
     loaded = state.registry.get_loaded(spec.name)

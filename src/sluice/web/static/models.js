@@ -1,6 +1,7 @@
 // The model picker: every model the server knows (/v1/info: local and upstream, with
 // the load state and the default), and a load with its progress bar when the
-// picked model is a local one not loaded yet (POST /api/v1/models/load, streamed).
+// picked model is a local one not loaded yet (POST /api/v1/models/load, streamed; only
+// for an admin key or a server without keys: a user key's first message loads it).
 // A model without a chat template (a base model) is marked so: it cannot chat.
 
 import { errorOf, events } from "/ui/api.js";
@@ -46,6 +47,8 @@ export class ModelPicker {
 
   async refresh() {
     const info = await this.api.json("/v1/info");
+    // A user key may not load models: its first message loads the picked one instead.
+    this.canManage = info.caller?.role !== "user";
     const wanted = this.select.value || localStorage.getItem(KEY) || info.default_model;
     this.models = new Map(info.models.map((m) => [m.id, m]));
     this.select.replaceChildren(
@@ -66,7 +69,9 @@ export class ModelPicker {
     localStorage.setItem(KEY, this.select.value);
     this.onChange();
     const model = this.current;
-    if (model?.backend?.type === "local" && model.status === "not_loaded") {
+    if (model?.backend?.type === "local" && model.status === "not_loaded" && !this.canManage) {
+      this.showNote(`${model.id} loads with your first message.`);
+    } else if (model?.backend?.type === "local" && model.status === "not_loaded") {
       try {
         await this.load(model.id);
       } catch (error) {
@@ -76,9 +81,22 @@ export class ModelPicker {
     }
   }
 
+  /** A passing word in the progress box (no bar). */
+  showNote(text) {
+    clearTimeout(this.hiding);
+    this.box.hidden = false;
+    this.bar.hidden = true;
+    this.label.textContent = text;
+    this.hiding = setTimeout(() => {
+      this.box.hidden = true;
+      this.bar.hidden = false;
+    }, 4000);
+  }
+
   async load(id) {
     clearTimeout(this.hiding);
     this.box.hidden = false;
+    this.bar.hidden = false;
     this.bar.value = 0;
     this.label.textContent = `Loading ${id}…`;
     this.select.disabled = true;
