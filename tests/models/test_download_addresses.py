@@ -367,6 +367,76 @@ async def test_allowed_hosts(make: Make, files: Files, dns: Callable[..., FakeDN
     assert len(files.seen) == 1
 
 
+async def test_a_redirect_to_a_host_off_the_list_is_refused(make: Make, files: Files) -> None:
+    """Every hop is checked against --download-allowed-hosts, not only the first URL:
+    the redirect's own request never leaves (the loopback server sees only the first)."""
+    port = files.port
+    downloads = make(allow_private=True, allowed_hosts=f"127.0.0.1:{port}")
+    files.location = f"http://localhost:{port}/files/x.gguf"  # the same server, another name
+    job = await finish(await downloads.start(f"http://127.0.0.1:{port}/redirect/x.gguf"))
+    assert job.status == "failed"
+    assert job.error is not None and "'localhost'" in job.error.message
+    assert "not on this server's allowed hosts" in job.error.message
+    assert files.seen == [("/redirect/x.gguf", f"127.0.0.1:{port}")]
+    files.location = f"http://127.0.0.1:{port}/files/x.gguf"  # the control: on the list
+    job = await finish(await downloads.start(f"http://127.0.0.1:{port}/redirect/x.gguf"))
+    assert job.status == "completed", job.error
+
+
+def test_a_domain_entry_allows_the_names_below_it() -> None:
+    from sluice.core.addresses import host_allowed
+
+    assert host_allowed("cas-bridge.xethub.hf.co", 443, "huggingface.co,*.hf.co")
+    assert host_allowed("CDN.HF.CO.", 443, "*.hf.co:443")
+    assert not host_allowed("hf.co", 443, "*.hf.co")  # below the domain only
+    assert not host_allowed("evilhf.co", 443, "*.hf.co")
+    assert not host_allowed("x.hf.co", 80, "*.hf.co:443")
+
+
+@dataclass
+class Proxy:
+    """A loopback HTTP proxy that answers every absolute-form request itself with the
+    GGUF (it never connects anywhere): it records the URLs it was asked for."""
+
+    base: str = ""
+    asked: list[str] = field(default_factory=list)
+
+    def handle(self, h: BaseHTTPRequestHandler) -> None:
+        self.asked.append(h.path)
+        h.send_response(200)
+        h.send_header("Content-Length", str(len(BODY)))
+        h.end_headers()
+        h.wfile.write(BODY)
+
+
+@pytest.fixture
+def proxy(monkeypatch: pytest.MonkeyPatch) -> Iterator[Proxy]:
+    server = Proxy()
+    with http_server(server.handle) as base:
+        server.base = base
+        for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY"):
+            monkeypatch.delenv(var, raising=False)
+            monkeypatch.delenv(var.lower(), raising=False)
+        monkeypatch.setenv("HTTP_PROXY", base)
+        yield server
+
+
+async def test_a_proxy_is_honoured_with_the_rule_on_the_target(
+    tmp_path: Path, make: Make, proxy: Proxy, dns: Callable[..., FakeDNS]
+) -> None:
+    """HTTP_PROXY: the proxy (on loopback) makes the connection; the target host must
+    still resolve to public addresses, checked here before the proxy is asked."""
+    dns(models_test=[PUBLIC], intranet_test=["10.1.2.3"])
+    downloads = make()
+    job = await finish(await downloads.start("http://models.test/files/x.gguf"))
+    assert job.status == "completed", job.error
+    assert (tmp_path / "models" / "x.gguf").read_bytes() == BODY
+    assert proxy.asked == ["http://models.test/files/x.gguf"]
+    message = await refused(downloads, "http://intranet.test/files/y.gguf")
+    assert "not a public address" in message
+    assert proxy.asked == ["http://models.test/files/x.gguf"]  # never asked for it
+
+
 async def test_allowed_hosts_names_ignore_case_and_a_final_dot(
     make: Make, dns: Callable[..., FakeDNS], connects: list[str]
 ) -> None:

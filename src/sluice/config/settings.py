@@ -117,13 +117,14 @@ class Settings:
         "models",
         "let /api/v1/models/download fetch from loopback, private, link-local (cloud "
         "metadata) and other non-public addresses; off: refused before a job starts, and "
-        "every connection (redirects too) is checked again",
+        "every connection (redirects too) is checked again; through HTTP(S)_PROXY the "
+        "target host is checked",
     )
     download_allowed_hosts: str | None = setting(
         None,
         "models",
-        "'host,host:port,...': download URLs only on these (redirects they send are "
-        "followed, still address-checked)",
+        "'host,host:port,*.domain,...': download URLs, and every redirect they send, "
+        "only on these (each still address-checked)",
         shown="any public host",
     )
     config: str | None = setting(

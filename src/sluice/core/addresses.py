@@ -165,8 +165,9 @@ class PublicOnlyConnector:
 
 
 def host_allowed(host: str, port: int, allowed_hosts: str) -> bool:
-    """Whether ``host`` (on ``port``) is on ``"host,host:port,[v6]:port,..."``;
-    an entry without a port allows any. Names compare without case or a final dot."""
+    """Whether ``host`` (on ``port``) is on ``"host,host:port,[v6]:port,*.domain,..."``;
+    an entry without a port allows any, ``*.domain`` any name below ``domain`` (not the
+    domain itself). Names compare without case or a final dot."""
     host = host.strip("[]").rstrip(".").lower()
     for entry in (e.strip().lower() for e in allowed_hosts.split(",")):
         if not entry:
@@ -178,6 +179,11 @@ def host_allowed(host: str, port: int, allowed_hosts: str) -> bool:
             name, _, entry_port = entry.partition(":")
         else:
             name, entry_port = entry, ""
-        if name.rstrip(".") == host and entry_port in ("", str(port)):
+        name = name.rstrip(".")
+        if name.startswith("*."):
+            matches = host.endswith(name[1:]) and len(host) > len(name) - 1
+        else:
+            matches = name == host
+        if matches and entry_port in ("", str(port)):
             return True
     return False

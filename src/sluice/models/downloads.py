@@ -15,7 +15,11 @@ unspecified address is refused before a job starts (:class:`DownloadNotAllowed`,
 a 400 naming the field), and every connection the transfer makes, to a redirect
 target too, resolves the host again and connects only to the addresses it
 checked (:func:`public_only_transport`), so a DNS answer that changes in between
-reaches nothing unchecked. ``allowed_hosts`` narrows the URLs further.
+reaches nothing unchecked. ``allowed_hosts`` narrows the URLs further, for every
+request the transfer makes (a redirect to another host is refused too). Through a
+proxy (``HTTP_PROXY``/``HTTPS_PROXY``/``ALL_PROXY``, honoured as httpx honours them)
+the proxy makes the connection, so the address rule is applied to the target host,
+resolved here before each request (the proxy's own lookup is the proxy's).
 
 File writes and hashing run on worker threads one chunk at a time (about
 1 MiB), so the event loop never waits on the disk for long. They are short,
@@ -45,6 +49,7 @@ import os
 import re
 import secrets
 import time
+import urllib.request
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -189,11 +194,17 @@ class DownloadManager:
         self._allow_private = allow_private
         self._allowed_hosts = allowed_hosts
         self._own_client = client is None
+        # Through a proxy (HTTP(S)_PROXY), the proxy connects: the address rule is then
+        # applied to the target host, resolved here before each request and redirect.
+        self._via_proxy = client is None and not allow_private and _proxied()
         if client is None:
-            # Without the check, the default transport (which honours HTTP(S)_PROXY);
-            # with it, connections go straight to the checked addresses.
-            transport = None if allow_private else public_only_transport()
+            # Without the check, or through a proxy, the default transport (which honours
+            # HTTP(S)_PROXY); with the check, connections go straight to checked addresses.
+            direct = allow_private or self._via_proxy
+            transport = None if direct else public_only_transport()
             client = httpx.AsyncClient(timeout=timeout, follow_redirects=True, transport=transport)
+        # Every request, each redirect's included, goes to an allowed host.
+        client.event_hooks["request"] = [*client.event_hooks["request"], self._check_hop]
         self._client = client
         self._retries = max(0, retries)
         self._chunk_bytes = max(1, chunk_bytes)
@@ -270,6 +281,29 @@ class DownloadManager:
             ) from exc
         except (OSError, TimeoutError):
             pass  # no answer now: each attempt of the job resolves and checks again
+
+    async def _check_hop(self, request: httpx.Request) -> None:
+        """Before each request, a redirect's too: its host is on ``allowed_hosts``, and
+        through a proxy, resolves to public addresses (else :class:`DownloadFailed`)."""
+        url = request.url
+        host = url.raw_host.decode("ascii")
+        port = url.port or (443 if url.scheme == "https" else 80)
+        allowed = self._allowed_hosts
+        if allowed is not None and not any(
+            addresses.host_allowed(name, port, allowed) for name in (host, url.host)
+        ):
+            raise DownloadFailed(
+                f"The download was sent to {url.host!r}, which is not on this server's "
+                "allowed hosts (--download-allowed-hosts)."
+            )
+        if self._via_proxy:
+            try:
+                await addresses.public_addresses(host, port)
+            except addresses.NotPublic as exc:
+                raise DownloadFailed(
+                    f"The download host {exc}; this server does not download from such "
+                    "addresses (through its proxy either)."
+                ) from exc
 
     def get(self, job_id: str) -> DownloadJob:
         job = self._jobs.get(job_id)
@@ -640,3 +674,10 @@ def _utcnow() -> datetime:
 def _iso(moment: datetime) -> str:
     """ISO 8601 in UTC with milliseconds, as LM Studio writes it: ``2025-10-03T15:33:23.496Z``."""
     return moment.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _proxied() -> bool:
+    """Whether the environment names a proxy for http or https (HTTP_PROXY, HTTPS_PROXY,
+    ALL_PROXY, as httpx reads them)."""
+    proxies = urllib.request.getproxies_environment()
+    return any(proxies.get(scheme) for scheme in ("http", "https", "all"))
