@@ -143,6 +143,14 @@ def management(method: str, path: str) -> str | None:
     return what
 
 
+# What a background response left generating by a stopped server reads as, once restarted.
+UNFINISHED = {
+    "code": "server_error",
+    "message": "The server stopped while this response was generating; it was not finished. "
+    "Create it again.",
+}
+
+
 def is_loopback(host: str) -> bool:
     """Whether binding ``host`` keeps the server to this machine."""
     if host == "localhost":
@@ -181,6 +189,12 @@ def create_app(
             await registry.start()
             await state.dispatcher.start()  # a first health check finds upstreams' models
             state._store = await SQLiteStore.open(settings.store or default_store_path())
+            ended = await state._store.end_unfinished_responses(UNFINISHED)
+            if ended:
+                log.warning(
+                    "%d background response(s) left unfinished by a stopped server are now failed",
+                    ended,
+                )
         except BaseException:
             if state._store is not None:
                 await state._store.close()

@@ -15,7 +15,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from sluice.store.models import Conversation, Message, NewMessage, StoredResponse
 
@@ -118,6 +118,11 @@ class ConversationStore(Protocol):
     async def delete_response(self, response_id: str, *, owner: str) -> bool:
         """Forget the response (its messages stay in their conversation); False if
         there was none of ``owner``'s."""
+        ...
+
+    async def end_unfinished_responses(self, error: dict[str, Any]) -> int:
+        """Responses stored ``queued`` or ``in_progress`` (left by a server that stopped
+        while they generated) become ``failed`` with ``error``; how many did."""
         ...
 
     async def close(self) -> None:

@@ -338,6 +338,21 @@ class SQLiteStore:
 
         return await self._call(work, writes=False)
 
+    async def end_unfinished_responses(self, error: dict[str, Any]) -> int:
+        def work(conn: sqlite3.Connection) -> int:
+            rows = conn.execute(
+                "SELECT id, body FROM responses"
+                " WHERE json_extract(body, '$.status') IN ('queued', 'in_progress')"
+            ).fetchall()
+            for response_id, text in rows:
+                body = _unjson(text) | {"status": "failed", "error": error}
+                conn.execute(
+                    "UPDATE responses SET body = ? WHERE id = ?", (_json(body), response_id)
+                )
+            return len(rows)
+
+        return await self._call(work, writes=True)
+
     async def delete_response(self, response_id: str, *, owner: str) -> bool:
         def work(conn: sqlite3.Connection) -> bool:
             cursor = conn.execute(

@@ -288,3 +288,54 @@ def test_what_codex_sends_is_one_system_prompt_first() -> None:
     ]
     assert request.tools is None and request.tool_choice is None
     assert body.unknown_fields() == []
+
+
+def _follow_in_thread(base: str, response_id: str) -> tuple[Any, list[bytes]]:
+    import threading
+
+    got: list[bytes] = []
+
+    def read() -> None:
+        with httpx.stream(
+            "GET", f"{base}{RESPONSES}/{response_id}", params={"stream": "true"}, timeout=30
+        ) as r:
+            got.extend(r.iter_raw())
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread, got
+
+
+@pytest.mark.parametrize("path", ["responses", "requests"])
+def test_a_cancelled_run_ends_its_followers_with_response_cancelled(path: str) -> None:
+    """Cancelled from either path, the run is stored cancelled (not failed) and every
+    follower's stream ends with the terminal response.cancelled."""
+    runner = ScriptedRunner(default=[b"w"] * 500 + [EOS], step_delay=0.02)
+    with scripted_server(runner) as base:
+        body = create(base, background=True).json()
+        thread, got = _follow_in_thread(base, body["id"])
+        time.sleep(0.4)
+        url = f"{base}/v1/{path}/{body['id']}/cancel"
+        assert httpx.post(url, timeout=30).status_code == 200
+        thread.join(10)
+        assert not thread.is_alive(), "the follower's stream did not end"
+        stored = httpx.get(f"{base}{RESPONSES}/{body['id']}", timeout=30).json()
+    seen = events(b"".join(got))
+    assert seen[-1]["type"] == "response.cancelled"
+    assert seen[-1]["response"]["status"] == "cancelled"
+    assert [e["type"] for e in seen].count("response.cancelled") == 1
+    assert stored["status"] == "cancelled"
+
+
+def test_a_resumed_stream_whose_events_are_gone_gets_the_terminal_event() -> None:
+    with scripted_server(ScriptedRunner(), resume_grace=0) as base:
+        done = create(base, input="x").json()
+        time.sleep(0.1)  # past the grace: only the stored response is left
+        replay = httpx.get(
+            f"{base}{RESPONSES}/{done['id']}",
+            params={"stream": "true", "starting_after": 3},
+            timeout=30,
+        )
+    (only,) = events(replay.content)
+    assert only["type"] == f"response.{done['status']}" and only["sequence_number"] == 4
+    assert only["response"] == done

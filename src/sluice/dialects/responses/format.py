@@ -18,7 +18,7 @@ carries), built by the same code from the same events. The stream:
 3. exactly one terminal event: ``response.completed``, ``response.incomplete``
    (``max_output_tokens``) or ``response.failed`` (``error.code``, e.g.
    ``context_length_exceeded``). A cancelled response gets no terminal event:
-   its status, retrieved, says ``cancelled``.
+   its status, retrieved, says ``cancelled``, and its followers get ``response.cancelled``.
 
 Every frame's data has ``type`` (also the SSE event name) and ``sequence_number``,
 from 0, one more per frame.
@@ -297,13 +297,18 @@ class ResponsesFormatter:
     def ended(self) -> bool:
         return self._ended
 
-    def cancel(self) -> None:
-        """Cancelled (``POST .../cancel``): no more frames; the status says so."""
-        if not self._ended:
-            self._ended = True
-            self.status = "cancelled"
-            if not self._usage_known:
-                self.output_tokens = self._counted
+    def cancel(self) -> list[Frame]:
+        """Cancelled (``POST .../cancel``, ``/v1/requests/{id}/cancel``, a stream dropped
+        past its grace): the items open so far closed, then the terminal
+        ``response.cancelled`` (status ``cancelled``) for whoever still follows."""
+        if self._ended:
+            return []
+        out = self._close()
+        self._ended = True
+        self.status = "cancelled"
+        if not self._usage_known:
+            self.output_tokens = self._counted
+        return out + [self._frame("response.cancelled", response=self.response())]
 
     # -- the response object -----------------------------------------------------------
 

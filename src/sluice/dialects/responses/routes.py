@@ -45,8 +45,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from sluice.core.backend import ResponseStream
-from sluice.core.errors import InvalidRequest, NotFound, SluiceError, as_sluice_error
+from sluice.core.errors import (
+    InvalidRequest,
+    NotFound,
+    RequestCancelled,
+    SluiceError,
+    as_sluice_error,
+)
 from sluice.core.events import ErrorEvent
+from sluice.core.frames import Frame
 from sluice.core.request import GenerationRequest
 from sluice.dialects.responses.format import (
     RESPONSE_PREFIX,
@@ -229,6 +236,22 @@ async def _store(state: ServerState, p: _Prepared, formatter: ResponsesFormatter
         log.exception("storing response %s failed", formatter.fields.id)
 
 
+async def _store_queued(state: ServerState, p: _Prepared, created: dict[str, Any]) -> None:
+    try:
+        await state.store.put_response(
+            StoredResponse(
+                id=created["id"],
+                owner=p.owner,
+                conversation_id=None,
+                body=created,
+                input_items=p.input_items,
+                created_at=time.time(),
+            )
+        )
+    except SluiceError as exc:
+        log.error("storing response %s failed: %s", created["id"], exc.message)
+
+
 def _encode(frames: list[Any]) -> list[bytes]:
     return [encode(frame) for frame in frames]
 
@@ -254,14 +277,17 @@ async def _generate(
         identify(stream, run.id)
         async for event in stream:
             if isinstance(event, ErrorEvent):
-                run.publish(_encode(formatter.error(event.error)))
+                if isinstance(as_sluice_error(event.error), RequestCancelled):
+                    run.publish(_encode(formatter.cancel()))  # /v1/requests/{id}/cancel
+                else:
+                    run.publish(_encode(formatter.error(event.error)))
                 return
             frames = formatter.frames(event)
             if frames:
                 run.publish(_encode(frames))
         run.publish(_encode(formatter.end()))
     except asyncio.CancelledError:
-        formatter.cancel()
+        run.publish(_encode(formatter.cancel()))
         raise
     finally:
         try:
@@ -290,6 +316,9 @@ async def create(request: Request) -> Response:
     if body.background:
         started = formatter.start()
         created = formatter.response() | {"status": "queued"}
+        # Stored at once: after a restart the id still answers (server.app marks what a
+        # stopped server left unfinished as failed).
+        await _store_queued(state, p, created)
         run = state.runs.start(
             response_id,
             owner=p.owner,
@@ -369,6 +398,33 @@ def _follow(
     )
 
 
+_TERMINAL = {
+    "completed": "response.completed",
+    "incomplete": "response.incomplete",
+    "failed": "response.failed",
+    "cancelled": "response.cancelled",
+}
+
+
+def _terminal(state: ServerState, body: dict[str, Any], starting_after: int) -> Response:
+    """A stream of a response whose events are no longer kept (past --resume-grace, or
+    left by a stopped server): its terminal event, with the response as it ended."""
+    kind = _TERMINAL.get(str(body.get("status")), "response.failed")
+    frame = Frame(
+        {"type": kind, "sequence_number": starting_after + 1, "response": body}, event=kind
+    )
+
+    async def one() -> AsyncIterator[bytes]:
+        yield encode(frame)
+
+    return SSEResponse(  # type: ignore[return-value]
+        one(),
+        on_close=lambda: None,
+        ping_interval=state.settings.ping_interval,
+        stall_timeout=state.settings.stall_timeout,
+    )
+
+
 async def _find(
     request: Request,
 ) -> tuple[ServerState, str, str, Run | None, StoredResponse | None]:
@@ -391,7 +447,7 @@ def _current(run: Run | None, stored: StoredResponse | None) -> dict[str, Any]:
 
 
 async def retrieve(request: Request) -> Response:
-    state, response_id, _, run, stored = await _find(request)
+    state, _, _, run, stored = await _find(request)
     if request.query_params.get("stream") in ("true", "1"):
         raw = request.query_params.get("starting_after", "-1")
         try:
@@ -401,12 +457,8 @@ async def retrieve(request: Request) -> Response:
                 f"'starting_after' must be an integer, not {raw[:32]!r}", param="starting_after"
             ) from None
         if run is None:
-            raise InvalidRequest(
-                f"The events of response '{response_id}' are no longer kept (they are for "
-                f"{state.settings.resume_grace:g} seconds after it ends: --resume-grace); "
-                "retrieve it without 'stream'.",
-                param="stream",
-            )
+            assert stored is not None
+            return _terminal(state, stored.body, starting_after)
         return _follow(state, run, starting_after)
     return json_response(_current(run, stored))
 
