@@ -82,6 +82,8 @@ class ScriptedRunner:
     embedders: list[FakeEmbedder] = field(default_factory=list)  # made by new_embedder
     embed_delay: float = 0.0  # seconds each embedding decode takes
     embed_bytes: int = 1 << 20  # what an embedding context holds (new_embedder's bytes)
+    grammar_tokenizer_bytes: int = 1 << 20  # what the grammar tokenizer holds, once made
+    grammar_made: bool = False  # made on the first sampler with a grammar
 
     def __post_init__(self) -> None:
         self.info = ModelInfo(
@@ -135,6 +137,8 @@ class ScriptedRunner:
         sampler = FakeSampler(list(prompt), script, params)
         with self._lock:
             self.samplers.append(sampler)
+            if params.grammar:
+                self.grammar_made = True
         return sampler
 
     def free_sampler(self, sampler: Any) -> None:
@@ -227,6 +231,9 @@ class ScriptedRunner:
 
     def embedder_bytes(self, n_ctx: int) -> int:
         return self.embed_bytes
+
+    def grammar_bytes(self) -> tuple[int, bool]:
+        return self.grammar_tokenizer_bytes, self.grammar_made
 
     def close(self) -> None:
         self.closed = True

@@ -166,8 +166,8 @@ class Settings:
         0,
         "models",
         "MiB all loaded models may use (weights + KV cache, estimated before a load, and "
-        "the prompt caches and embedding contexts they take since); a load that would not "
-        "fit is refused; 0: 90% of RAM",
+        "the prompt caches, embedding contexts and grammar tokenizers they take since); a "
+        "load that would not fit is refused; 0: 90% of RAM",
     )
     gpu_layers: int = setting(
         0,

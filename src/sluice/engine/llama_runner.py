@@ -313,6 +313,9 @@ class LlamaRunner(SamplingMixin):
 
         return embedder_bytes(self, n_ctx)
 
+    def grammar_bytes(self) -> tuple[int, bool]:
+        return self._grammars.tokenizer_bytes, self._grammars.made
+
     def meta(self, key: str) -> str | None:
         """The GGUF metadata value of ``key`` as text, or None."""
         buf = ctypes.create_string_buffer(128)

@@ -241,5 +241,8 @@ class ReplayRunner:
     def embedder_bytes(self, n_ctx: int) -> int:
         return 0
 
+    def grammar_bytes(self) -> tuple[int, bool]:
+        return 0, True  # its answers are recorded: no grammar tokenizer to make
+
     def close(self) -> None:
         self.history.clear()

@@ -146,4 +146,9 @@ class ModelRunner(Protocol):
         """The memory :meth:`new_embedder` would take (its ``bytes``), before making it."""
         ...
 
+    def grammar_bytes(self) -> tuple[int, bool]:
+        """The memory of the grammar tokenizer :meth:`new_sampler` makes on the first
+        request with a grammar, and whether it is made yet."""
+        ...
+
     def close(self) -> None: ...

@@ -20,7 +20,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -174,6 +174,8 @@ class LocalModel:
         self._embedder: Embedder | None = None  # the pooled context, on first use
         self._embedding_ctx = settings.embedding_ctx  # its tokens, within the model's
         self._embedder_making = 0  # its bytes while it is being made (counted as held)
+        self._grammar_making = 0  # the grammar tokenizer's, likewise
+        self._grammar_lock = threading.Lock()
         self._room: MemoryRoom | None = None  # the shared memory budget, once bound
         self._using = 0
         self._closed = False
@@ -237,6 +239,9 @@ class LocalModel:
             try:
                 with self._in_use():
                     gen = service.prepare(request)
+                    if any(r.sampling.grammar for r in gen.requests):
+                        with self._grammar_room():
+                            return gen, service.open(gen, loop)
                     return gen, service.open(gen, loop)
             finally:
                 arrival.done()
@@ -319,6 +324,29 @@ class LocalModel:
         def hold(nbytes: int) -> None:
             self._embedder_making = nbytes
 
+        self._reserve(need, hold, "Embedding", "its pooled context")
+
+    @contextlib.contextmanager
+    def _grammar_room(self) -> Iterator[None]:
+        """Room in the budget for the grammar tokenizer, made on the model's first
+        request with a grammar (inside this block): held while it is made, then counted
+        in :meth:`extra_bytes` as made. Raises InsufficientMemory."""
+        with self._grammar_lock:  # one request makes it; the others find it made
+            need, made = self.runner.grammar_bytes()
+            if made:
+                yield
+                return
+
+            def hold(nbytes: int) -> None:
+                self._grammar_making = nbytes
+
+            self._reserve(need, hold, "Constrained output", "its grammar tokenizer")
+            try:
+                yield
+            finally:
+                self._grammar_making = 0
+
+    def _reserve(self, need: int, hold: Callable[[int], None], what: str, part: str) -> None:
         room = self._room
         if room is None:
             hold(need)
@@ -326,8 +354,8 @@ class LocalModel:
         free = room.reserve(need, hold)
         if need > free:
             raise InsufficientMemory(
-                f"Embedding with '{self.name}' needs {need / 2**20:.0f} MiB for its "
-                f"pooled context, and the memory budget (--memory-budget-mb) has "
+                f"{what} with '{self.name}' needs {need / 2**20:.0f} MiB for {part}, "
+                f"and the memory budget (--memory-budget-mb) has "
                 f"{max(0, free) / 2**20:.0f} MiB left with the loaded models in it. "
                 "Unload a model, or retry when one is unloaded.",
                 retry_after=5,
@@ -401,7 +429,13 @@ class LocalModel:
                 "restores": stats.prompt_cache_hits,
             },
             "embedding": self._embedding_health(),
+            "grammar": self._grammar_health(),
         }
+
+    def _grammar_health(self) -> dict[str, Any] | None:
+        """The grammar tokenizer, once a request asked for constrained output."""
+        nbytes, made = self.runner.grammar_bytes()
+        return {"bytes": nbytes} if made else None
 
     def _embedding_health(self) -> dict[str, Any] | None:
         """The pooled context, once the model was asked to embed (None before)."""
@@ -411,11 +445,13 @@ class LocalModel:
         return {"pooling": embedder.pooling, "n_ctx": embedder.n_ctx, "bytes": embedder.bytes}
 
     def extra_bytes(self) -> int:
-        """The prompt cache's states and the embedding context, when there is one
-        (or is being made)."""
+        """The prompt cache's states, and the embedding context and the grammar
+        tokenizer when there are (or are being made)."""
         embedder = self._embedder
         made = embedder.bytes if embedder else self._embedder_making
-        return self.engine.prompt_cache.size_bytes + made
+        grammar, grammar_made = self.runner.grammar_bytes()
+        grammar = grammar if grammar_made else self._grammar_making
+        return self.engine.prompt_cache.size_bytes + made + grammar
 
     def reclaim(self, nbytes: int) -> int:
         """Drop up to ``nbytes`` of the prompt cache's least recently used states."""

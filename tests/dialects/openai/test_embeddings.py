@@ -225,3 +225,30 @@ def test_saved_prompt_states_stay_when_dropping_them_would_not_be_enough() -> No
         assert kept > 0
         assert post(base, "/v1/embeddings", input="hello").status_code == 503
         assert engine.prompt_cache.size_bytes == kept and engine.prompt_cache.reclaimed == 0
+
+
+def test_the_grammar_tokenizer_counts_in_the_memory_budget() -> None:
+    """Made on the model's first request with a grammar: a 503 that says why where it
+    does not fit; counted as held (/health) where it does."""
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    chat = {
+        "model": "scripted",
+        "messages": [{"role": "user", "content": "hi"}],
+        "response_format": schema,
+    }
+    runner = ScriptedRunner(grammar_tokenizer_bytes=3 << 20)
+    with scripted_server(runner, memory_budget_mb=2) as base:
+        r = httpx.post(base + "/v1/chat/completions", json=chat, timeout=30)
+        assert r.status_code == 503, r.text
+        assert "grammar tokenizer" in r.json()["error"]["message"]
+        assert not runner.grammar_made
+        plain = {k: v for k, v in chat.items() if k != "response_format"}
+        assert httpx.post(base + "/v1/chat/completions", json=plain, timeout=30).is_success
+    runner = ScriptedRunner(grammar_tokenizer_bytes=1 << 20)
+    with scripted_server(runner, memory_budget_mb=2) as base:
+        health = httpx.get(base + "/health", timeout=30).json()["models"]["scripted"]
+        assert health["grammar"] is None
+        r = httpx.post(base + "/v1/chat/completions", json=chat, timeout=30)
+        assert r.status_code == 200, r.text
+        health = httpx.get(base + "/health", timeout=30).json()["models"]["scripted"]
+        assert health["grammar"] == {"bytes": 1 << 20}
