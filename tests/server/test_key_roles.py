@@ -4,6 +4,7 @@ keys beyond loopback refuses management unless told; user keys chat as before.""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -176,3 +177,43 @@ def test_info_says_who_is_asking(keyed: str) -> None:
     admin = _call(keyed, "GET", "/v1/info", None, BOB).json()["caller"]
     assert user == {"key": "alice", "role": "user"}
     assert admin == {"key": "bob", "role": "admin"}
+
+
+def test_an_admin_key_by_role_sees_and_cancels_every_keys_requests(tmp_path: Path) -> None:
+    import threading
+
+    from tests.support.fakes import EOS
+
+    config = tmp_path / "sluice.toml"
+    config.write_text(
+        f'[keys]\nalice = "{ALICE}"\ncarol = "sk-carol-0003"\n'
+        f'bob = {{ key = "{BOB}", role = "admin" }}\n'
+    )
+    runner = ScriptedRunner(default=[b"w"] * 1000 + [EOS], step_delay=0.01)
+    app = create_app(
+        Settings(model="scripted", config=str(config), models_dir=str(tmp_path)),
+        runner_factory=lambda s: runner,
+    )
+    with serve_app(app) as base:
+        chat = {"model": "scripted", "messages": [{"role": "user", "content": "hi"}]}
+
+        def ask() -> None:
+            _call(base, "POST", "/v1/chat/completions", chat, ALICE)
+
+        thread = threading.Thread(target=ask, daemon=True)
+        thread.start()
+        listed: list[Any] = []
+        for _ in range(100):
+            listed = _call(base, "GET", "/v1/requests", None, BOB).json()["data"]
+            if listed:
+                break
+            time.sleep(0.05)
+        assert [r["key"] for r in listed] == ["alice"], listed
+        assert _call(base, "GET", "/v1/requests", None, "sk-carol-0003").json()["data"] == []
+        flight = listed[0]["id"]
+        refused = _call(base, "POST", f"/v1/requests/{flight}/cancel", None, "sk-carol-0003")
+        assert refused.status_code == 404  # another user's: not found, as before
+        done = _call(base, "POST", f"/v1/requests/{flight}/cancel", None, BOB)
+        assert done.status_code == 200 and done.json()["state"] == "cancelled"
+        thread.join(10)
+        assert not thread.is_alive()
