@@ -33,6 +33,8 @@ from sluice.dialects import flights, ops
 from sluice.dialects.anthropic import format as anthropic_format
 from sluice.dialects.anthropic import routes as anthropic
 from sluice.dialects.gateway import routes as gateway
+from sluice.dialects.gemini import format as gemini_format
+from sluice.dialects.gemini import routes as gemini
 from sluice.dialects.lmstudio import chat as lmstudio_chat
 from sluice.dialects.lmstudio import routes as lmstudio
 from sluice.dialects.ollama import format as ollama_format
@@ -76,6 +78,7 @@ OLLAMA_PATHS = (
 _ERROR_SHAPES: tuple[tuple[str, Callable[[SluiceError], Response]], ...] = (
     ("/v1/messages", anthropic_format.error_response),
     ("/v1/responses", responses_format.error_response),
+    (gemini.PREFIX, gemini_format.error_response),
     *((path, ollama_format.error_response) for path in OLLAMA_PATHS),
 )
 
@@ -84,6 +87,7 @@ _ERROR_SHAPES: tuple[tuple[str, Callable[[SluiceError], Response]], ...] = (
 _DIALECTS: tuple[tuple[str, str], ...] = (
     ("/v1/messages", "anthropic"),
     ("/v1/responses", "responses"),
+    ("/v1beta/", "gemini"),
     ("/c1/", "gateway"),
     ("/api/v1/", "lmstudio"),
     ("/api/", "ollama"),
@@ -92,6 +96,8 @@ _DIALECTS: tuple[tuple[str, str], ...] = (
 
 
 def dialect_of(path: str) -> str:
+    if gemini.is_v1_method(path):
+        return "gemini"
     return next((name for prefix, name in _DIALECTS if path.startswith(prefix)), "sluice")
 
 
@@ -116,6 +122,8 @@ class _NameCaller:
 
 def render_error_for(path: str) -> Callable[[SluiceError], Response]:
     """The error renderer of the dialect served at ``path`` (OpenAI's by default)."""
+    if gemini.is_v1_method(path):
+        return gemini_format.error_response
     for prefix, render in _ERROR_SHAPES:
         if path == prefix or path.startswith(prefix + "/"):
             return render
@@ -270,6 +278,12 @@ def create_app(
             Route(
                 "/v1/responses/{response_id}/input_items", responses.input_items, methods=["GET"]
             ),
+            Route(f"{gemini.PREFIX}/models", gemini.list_models, methods=["GET"]),
+            Route(f"{gemini.PREFIX}/models/{{rest:path}}", gemini.model_method, methods=["POST"]),
+            Route(f"{gemini.PREFIX}/models/{{model:path}}", gemini.get_model, methods=["GET"]),
+            # Gemini's methods under /v1 too (its model list is /v1beta's: GET /v1/models
+            # is OpenAI's).
+            Route("/v1/models/{rest:path}", gemini.model_method, methods=["POST"]),
             Route("/v1/models", openai.list_models, methods=["GET"]),
             Route("/v1/models/{model_id:path}", openai.get_model, methods=["GET"]),
             Route("/c1/chat", gateway.chat, methods=["POST"]),

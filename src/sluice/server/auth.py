@@ -38,6 +38,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qsl
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -332,8 +333,8 @@ class BearerAuth:
         for header, value in scope["headers"]:
             if header == b"authorization":
                 auth = value  # the last one wins, as with dict(headers)
-            elif header == b"x-api-key":
-                api_key = value
+            elif header == b"x-api-key" or header == b"x-goog-api-key":
+                api_key = value  # Anthropic's header, Google's
         if auth is not None:
             scheme, _, token = auth.decode("latin-1").partition(" ")
             if scheme.lower() == "bearer":
@@ -342,6 +343,11 @@ class BearerAuth:
                     return name
         if api_key is not None:
             return self.keys.lookup(api_key.decode("latin-1").strip())
+        query = scope.get("query_string", b"")
+        if b"key=" in query:  # Google's ?key=KEY (never logged: only its name is)
+            for name, value in parse_qsl(query.decode("latin-1")):
+                if name == "key":
+                    return self.keys.lookup(value.strip())
         return None
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:

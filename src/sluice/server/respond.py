@@ -192,3 +192,16 @@ async def forward(
     if body is None:
         return Response(status_code=CLIENT_GONE)
     return Response(body, answer.status, answer.headers())
+
+
+async def count_prompt(raw_request: Request, state: Any, request: Any) -> int | None:
+    """The tokens of ``request``'s prompt on its model's slot (a local model loads just in
+    time); None if the client went away meanwhile."""
+    lease = await state.dispatcher.acquire(request.model)
+    try:
+        count: int | None = await run_until_disconnect(
+            raw_request.receive, lease.backend.count_prompt_tokens(request)
+        )
+    finally:
+        lease.release()
+    return count

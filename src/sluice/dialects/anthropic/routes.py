@@ -47,8 +47,8 @@ from sluice.metrics import AnthropicEventTap
 from sluice.models.dispatch import UpstreamTarget
 from sluice.models.flights import identify
 from sluice.server.jsonbody import check_body_limits
-from sluice.server.respond import CLIENT_GONE, errors_as, forward, respond
-from sluice.server.sse import json_response, run_until_disconnect, sse_stream
+from sluice.server.respond import CLIENT_GONE, count_prompt, errors_as, forward, respond
+from sluice.server.sse import json_response, sse_stream
 from sluice.server.state import ServerState, read_json, server_state
 from sluice.upstream.backend import slot_header
 
@@ -138,15 +138,9 @@ async def count_tokens(request: Request) -> Response:
     read = await _read(request, CountTokensRequest, "/messages/count_tokens")
     if not isinstance(read, tuple):  # (an SSEResponse is not a starlette Response)
         return read
-    body, neutral = read
+    _body, neutral = read
     state = server_state(request)
-    lease = await state.dispatcher.acquire(body.model)
-    try:
-        count = await run_until_disconnect(
-            request.receive, lease.backend.count_prompt_tokens(neutral)
-        )
-    finally:
-        lease.release()
+    count = await count_prompt(request, state, neutral)
     if count is None:
         return Response(status_code=CLIENT_GONE)
     return json_response({"input_tokens": count})

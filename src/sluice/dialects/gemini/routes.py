@@ -1,0 +1,218 @@
+"""Google's Gemini API, for Gemini CLI and the ``google-genai`` SDKs: under ``/v1beta``,
+``POST models/{model}:generateContent``, ``:streamGenerateContent`` (SSE with
+``alt=sse``, else one JSON array streamed record by record), ``:countTokens``, and
+``GET models`` and ``models/{model}``, on every backend (local and upstream, translated
+through the neutral request).
+
+Order of a request: before any byte (a real status, Google's error body) the body is
+read within the size limit and validated (``schema.py``), images for a local model are
+a 400, the slot is acquired and the request opened on it (a prompt over the context is
+a 400 here); then the events become records (``format.py``). The model may come as
+``x`` or ``models/x``, the ``:`` percent-encoded. Keys: ``x-goog-api-key`` or
+``?key=`` beside ``Authorization: Bearer`` and ``x-api-key`` (``server/auth.py``).
+
+Example::
+
+    curl 'localhost:8080/v1beta/models/smollm2:streamGenerateContent?alt=sse' \\
+      -d '{"contents": [{"role": "user", "parts": [{"text": "Hi"}]}]}'
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from sluice.core.errors import InvalidRequest, ModelNotFound, NotFound, as_sluice_error
+from sluice.core.events import ErrorEvent
+from sluice.dialects.gemini.format import GeminiFormatter, error_body, error_frame, error_response
+from sluice.dialects.gemini.schema import CountTokensRequest, GenerateContentRequest, parse
+from sluice.models.flights import identify
+from sluice.server.jsonbody import check_body_limits
+from sluice.server.respond import CLIENT_GONE, count_prompt, errors_as, respond
+from sluice.server.sse import json_response, sse_stream
+from sluice.server.state import ServerState, read_json, server_state
+from sluice.upstream.backend import slot_header
+
+log = logging.getLogger("sluice.api")
+
+PREFIX = "/v1beta"
+V1_MODELS = "/v1/models/"  # its methods are also served under /v1 (POST only)
+
+
+def is_v1_method(path: str) -> bool:
+    """A Gemini method under ``/v1`` (``/v1/models/x:generateContent``), not OpenAI's."""
+    return path.startswith(V1_MODELS) and ":" in path
+
+
+_METHODS = ("generateContent", "streamGenerateContent", "countTokens")
+
+
+def _split(rest: str) -> tuple[str, str]:
+    """``"models/x:generateContent"`` or ``"x:generateContent"`` -> (``x``, method)."""
+    model, sep, method = rest.rpartition(":")
+    if not sep or not model:
+        raise NotFound(f"No route models/{rest[:64]}: expected models/MODEL:METHOD.")
+    model = model.removeprefix("models/")
+    if method not in _METHODS:
+        raise NotFound(f"models/{model[:64]}:{method[:32]} is not a method sluice serves.")
+    return model, method
+
+
+@errors_as(error_response)
+async def model_method(request: Request) -> Response:
+    model, method = _split(request.path_params["rest"])
+    state = server_state(request)
+    data = await read_json(request)
+    if data is None:
+        return Response(status_code=CLIENT_GONE)
+    if method == "countTokens":
+        return await _count_tokens(request, state, model, data)
+    return await _generate(request, state, model, data, stream=method == "streamGenerateContent")
+
+
+async def _generate(
+    request: Request, state: ServerState, model: str, data: dict[str, Any], *, stream: bool
+) -> Response:
+    def validate() -> tuple[GenerateContentRequest, Any]:
+        _check_limits(data, state)
+        body = parse(data, GenerateContentRequest)
+        return body, body.to_request(model)
+
+    body, neutral = await state.offload.run(validate)
+    _local_images(state, model, body.has_images())
+    lease, events = await state.dispatcher.open(neutral)
+    formatter = GeminiFormatter(model, include_thoughts=body.include_thoughts)
+    identify(events, formatter.id)
+    headers = {"x-sluice-slot": slot_header(events.meta.slot, events.meta.replica)}
+
+    async def fold() -> dict[str, Any]:
+        async for event in events:
+            if isinstance(event, ErrorEvent):
+                raise as_sluice_error(event.error)
+            formatter.frames(event)
+        return formatter.response()
+
+    sse = request.query_params.get("alt") == "sse"
+
+    async def array() -> AsyncIterator[bytes]:
+        """Without ``alt=sse``: one JSON array, a record at a time."""
+        first = True
+        async for frame in _records(events, formatter):
+            yield (b"[" if first else b",\r\n") + orjson.dumps(frame)
+            first = False
+        yield b"[]" if first else b"]"
+
+    return await respond(
+        request,
+        state.settings,
+        stream=stream,
+        frames=(lambda: sse_stream(events, formatter)) if sse else array,
+        fold=fold,
+        close=lambda: lease.close(events),
+        headers=lambda: headers,
+        render_error=error_response,
+        ping=None,
+        failure_frame=error_frame if sse else _array_failure,
+        content_type="text/event-stream" if sse else "application/json",
+    )
+
+
+async def _records(events: Any, formatter: GeminiFormatter) -> AsyncIterator[Any]:
+    async for event in events:
+        if isinstance(event, ErrorEvent):
+            for frame in formatter.error(event.error):
+                yield frame.data
+            return
+        for frame in formatter.frames(event):
+            yield frame.data
+
+
+def _array_failure(error: BaseException) -> bytes:
+    return b",\r\n" + orjson.dumps(error_body(as_sluice_error(error))) + b"]"
+
+
+async def _count_tokens(
+    request: Request, state: ServerState, model: str, data: dict[str, Any]
+) -> Response:
+    def validate() -> Any:
+        _check_limits(data.get("generateContentRequest") or data, state)
+        return parse(data, CountTokensRequest).to_request(model)
+
+    neutral = await state.offload.run(validate)
+    count = await count_prompt(request, state, neutral)
+    if count is None:
+        return Response(status_code=CLIENT_GONE)
+    return json_response({"totalTokens": count})
+
+
+def _check_limits(data: Any, state: ServerState) -> None:
+    """The body's counts within the server's limits (``contents`` as messages)."""
+    if not isinstance(data, dict):
+        return
+    contents = data.get("contents")
+    if isinstance(contents, list) and len(contents) > state.limits.max_messages:
+        raise InvalidRequest(
+            f"'contents' has {len(contents)} turns; the limit is {state.limits.max_messages} "
+            "(--max-messages).",
+            param="contents",
+        )
+    config = data.get("generationConfig")
+    stops = config.get("stopSequences") if isinstance(config, dict) else None
+    if stops is not None:
+        check_body_limits({"stopSequences": stops}, state.limits, stop="stopSequences")
+
+
+def _local_images(state: ServerState, model: str, has_images: bool) -> None:
+    if has_images and state.dispatcher.upstream(model) is None:
+        raise InvalidRequest(
+            f"The model '{model}' does not support images (it has no vision encoder): send "
+            "text, or pick a model that takes images.",
+            param="contents",
+        )
+
+
+# -- models ------------------------------------------------------------------------------
+
+
+def _entry(name: str, context: int | None, methods: tuple[str, ...]) -> dict[str, Any]:
+    return {
+        "name": f"models/{name}",
+        "baseModelId": name,
+        "version": "001",
+        "displayName": name,
+        "description": f"{name}, served by sluice",
+        "inputTokenLimit": context or 0,
+        "outputTokenLimit": context or 0,
+        "supportedGenerationMethods": list(methods),
+    }
+
+
+def _catalog(state: ServerState) -> list[dict[str, Any]]:
+    methods = ("generateContent", "streamGenerateContent", "countTokens")
+    out = []
+    for spec in state.registry.known():
+        loaded = state.registry.get_loaded(spec.name)
+        context = getattr(getattr(loaded, "runner", None), "n_ctx_seq", None)
+        out.append(_entry(spec.name, context, methods))
+    for public, _slot, _model in state.dispatcher.upstream_models():
+        out.append(_entry(public, None, methods))
+    return out
+
+
+@errors_as(error_response)
+async def list_models(request: Request) -> Response:
+    return json_response({"models": _catalog(server_state(request))})
+
+
+@errors_as(error_response)
+async def get_model(request: Request) -> Response:
+    name = request.path_params["model"].removeprefix("models/")
+    for entry in _catalog(server_state(request)):
+        if entry["name"] == f"models/{name}":
+            return json_response(entry)
+    raise ModelNotFound(name)
