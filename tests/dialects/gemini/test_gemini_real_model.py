@@ -144,3 +144,12 @@ def test_json_output_with_a_schema(base: str, upstream: str, model: str) -> None
     out = c.models.generate_content(model=model, contents="A person, as JSON.", config=config)
     value = json.loads(out.text or "")
     assert isinstance(value["name"], str) and isinstance(value["age"], int)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_embed_content(base: str, upstream: str, model: str) -> None:
+    c = at(base, upstream, model)
+    out = c.models.embed_content(model=model, contents=["hello", "a second text"])
+    vectors = [e.values or [] for e in out.embeddings or []]
+    assert len(vectors) == 2 and len(vectors[0]) == len(vectors[1]) > 100
+    assert vectors[0] != vectors[1]

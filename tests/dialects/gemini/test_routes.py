@@ -178,3 +178,24 @@ def test_methods_under_v1_too_with_google_s_errors() -> None:
     assert ok.status_code == 200 and ok.json()["candidates"]
     assert bad.status_code == 400 and bad.json()["error"]["status"] == "INVALID_ARGUMENT"
     assert openai["object"] == "list"  # GET /v1/models stays OpenAI's
+
+
+def test_embed_content_one_and_a_batch() -> None:
+    with scripted_server(ScriptedRunner()) as base:
+        one = httpx.post(
+            f"{base}{BASE}:embedContent", json={"content": {"parts": [{"text": "hello"}]}}
+        )
+        batch = httpx.post(
+            f"{base}{BASE}:batchEmbedContents",
+            json={
+                "requests": [
+                    {"model": "models/scripted", "content": {"parts": [{"text": t}]}}
+                    for t in ("a", "b", "c")
+                ]
+            },
+        )
+        bad = httpx.post(f"{base}{BASE}:embedContent", json={"content": {"parts": [{}]}})
+    values = one.json()["embedding"]["values"]
+    assert one.status_code == 200 and len(values) > 0 and isinstance(values[0], float)
+    assert [len(e["values"]) for e in batch.json()["embeddings"]] == [len(values)] * 3
+    assert bad.status_code == 400 and bad.json()["error"]["status"] == "INVALID_ARGUMENT"

@@ -32,7 +32,7 @@ from sluice.core.events import ErrorEvent
 from sluice.dialects.gemini.format import GeminiFormatter, error_body, error_frame, error_response
 from sluice.dialects.gemini.schema import CountTokensRequest, GenerateContentRequest, parse
 from sluice.models.flights import identify
-from sluice.server.jsonbody import check_body_limits
+from sluice.server.jsonbody import check_body_limits, check_embed_inputs
 from sluice.server.respond import CLIENT_GONE, count_prompt, errors_as, respond
 from sluice.server.sse import json_response, sse_stream
 from sluice.server.state import ServerState, read_json, server_state
@@ -49,7 +49,13 @@ def is_v1_method(path: str) -> bool:
     return path.startswith(V1_MODELS) and ":" in path
 
 
-_METHODS = ("generateContent", "streamGenerateContent", "countTokens")
+_METHODS = (
+    "generateContent",
+    "streamGenerateContent",
+    "countTokens",
+    "embedContent",
+    "batchEmbedContents",
+)
 
 
 def _split(rest: str) -> tuple[str, str]:
@@ -72,6 +78,13 @@ async def model_method(request: Request) -> Response:
         return Response(status_code=CLIENT_GONE)
     if method == "countTokens":
         return await _count_tokens(request, state, model, data)
+    if method == "embedContent":
+        return await _embed(state, model, [data], batch=False)
+    if method == "batchEmbedContents":
+        requests = data.get("requests")
+        if not isinstance(requests, list):
+            raise InvalidRequest("'requests' must be a list", param="requests")
+        return await _embed(state, model, requests, batch=True)
     return await _generate(request, state, model, data, stream=method == "streamGenerateContent")
 
 
@@ -150,6 +163,42 @@ async def _count_tokens(
     return json_response({"totalTokens": count})
 
 
+async def _embed(state: ServerState, model: str, requests: list[Any], *, batch: bool) -> Response:
+    """``embedContent`` (one ``content``) and ``batchEmbedContents`` (``requests``, each
+    with its ``content``): the text of each content's parts, embedded on ``model`` (cut
+    to the model's embedding context, as Google's ``autoTruncate`` does)."""
+    texts: list[str] = []
+    dimensions: int | None = None
+    for i, item in enumerate(requests):
+        where = f"requests[{i}]" if batch else ""
+        at = f"{where}.content" if where else "content"
+        if not isinstance(item, dict) or not isinstance(item.get("content"), dict):
+            raise InvalidRequest(f"'{at}' must be a Content object", param=at)
+        parts = item["content"].get("parts")
+        if not isinstance(parts, list) or not all(
+            isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts
+        ):
+            raise InvalidRequest(f"'{at}.parts' must be text parts", param=f"{at}.parts")
+        texts.append("\n".join(p["text"] for p in parts))
+        wanted = item.get("outputDimensionality")
+        if wanted is not None:
+            if not isinstance(wanted, int) or wanted < 1:
+                where_dim = f"{where}.outputDimensionality" if where else "outputDimensionality"
+                raise InvalidRequest(
+                    "'outputDimensionality' must be a positive integer", param=where_dim
+                )
+            dimensions = wanted
+    inputs = check_embed_inputs(texts, state.limits)
+    lease = await state.dispatcher.acquire(model)
+    try:
+        result = await lease.embed(inputs, truncate=True, dimensions=dimensions)
+    finally:
+        lease.release()
+    if batch:
+        return json_response({"embeddings": [{"values": v} for v in result.vectors]})
+    return json_response({"embedding": {"values": result.vectors[0]}})
+
+
 def _check_limits(data: Any, state: ServerState) -> None:
     """The body's counts within the server's limits (``contents`` as messages)."""
     if not isinstance(data, dict):
@@ -193,7 +242,7 @@ def _entry(name: str, context: int | None, methods: tuple[str, ...]) -> dict[str
 
 
 def _catalog(state: ServerState) -> list[dict[str, Any]]:
-    methods = ("generateContent", "streamGenerateContent", "countTokens")
+    methods = _METHODS
     out = []
     for spec in state.registry.known():
         loaded = state.registry.get_loaded(spec.name)
