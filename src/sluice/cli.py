@@ -119,6 +119,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from sluice.server.app import create_app
+    from sluice.server.auth import QueryKeyRedactor
     from sluice.server.state import ServerState
 
     try:
@@ -208,6 +209,8 @@ def _serve(args: argparse.Namespace) -> int:
         log_level=settings.log_level,
         timeout_graceful_shutdown=math.ceil(grace + _FLUSH_SECONDS),
     )
+    # After uvicorn set its loggers up: a ?key= in a request line is never logged.
+    logging.getLogger("uvicorn.access").addFilter(QueryKeyRedactor())
     try:
         Server(config).run()
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled

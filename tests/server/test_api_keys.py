@@ -343,3 +343,28 @@ def test_a_websocket_without_a_key_is_closed() -> None:
     scope = {"type": "websocket", "path": "/ws", "headers": []}
     asyncio.run(app(scope, receive, send))
     assert sent == [{"type": "websocket.close", "code": 1008}]
+
+
+def test_a_query_string_key_is_never_logged() -> None:
+    import logging
+
+    from sluice.server.auth import QueryKeyRedactor
+
+    record = logging.LogRecord(
+        "uvicorn.access",
+        logging.INFO,
+        "",
+        0,
+        '%s - "%s %s HTTP/%s" %d',
+        (
+            "127.0.0.1:5",
+            "POST",
+            f"/v1beta/models/x:generateContent?alt=sse&key={ALICE}",
+            "1.1",
+            200,
+        ),
+        None,
+    )
+    assert QueryKeyRedactor().filter(record)
+    line = record.getMessage()
+    assert ALICE not in line and "?alt=sse&key=[redacted]" in line

@@ -415,3 +415,19 @@ def _check_key(source: str, name: str, key: Any, minimum: int = MIN_KEY_LENGTH) 
 
 def _kind(value: Any) -> str:
     return describe_value(value).split(" (")[0]  # the type's words, not the value
+
+
+_QUERY_KEY = re.compile(r"([?&]key=)[^&#\s]*")
+
+
+class QueryKeyRedactor(logging.Filter):
+    """Google's ``?key=KEY`` out of access-log lines (uvicorn's ``uvicorn.access`` records
+    carry the path with its query): the key becomes ``[redacted]``, the line stays."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and any(isinstance(a, str) and "key=" in a for a in args):
+            record.args = tuple(
+                _QUERY_KEY.sub(r"\1[redacted]", a) if isinstance(a, str) else a for a in args
+            )
+        return True
