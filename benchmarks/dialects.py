@@ -10,6 +10,10 @@ count as the limit, once per dialect:
 
 * openai: ``POST /v1/chat/completions`` (``max_tokens``, with the usage chunk);
 * anthropic: ``POST /v1/messages`` (``max_tokens``, the system message as ``system``);
+* gemini: ``POST /v1beta/models/smollm2:streamGenerateContent?alt=sse``
+  (``generationConfig.maxOutputTokens``, the system message as ``systemInstruction``, the
+  rest as ``contents``); its output tokens are the last record's
+  ``usageMetadata.candidatesTokenCount``;
 * responses: ``POST /v1/responses`` (``max_output_tokens``, ``store: false``, the system
   message as ``instructions``, the rest as ``input`` messages); its output tokens are
   the terminal event's ``response.usage.output_tokens`` (``response.incomplete`` with
@@ -61,17 +65,19 @@ from harness.prompts import make_messages
 from harness.servers import SLUICE, Server, free_port
 from harness.stats import med, rotated
 
-DIALECTS = ("openai", "anthropic", "responses")
+DIALECTS = ("openai", "anthropic", "responses", "gemini")
 PATHS = {
     "openai": "/v1/chat/completions",
     "anthropic": "/v1/messages",
     "responses": "/v1/responses",
+    "gemini": "/v1beta/models/smollm2:streamGenerateContent?alt=sse",
 }
 # A content frame of each dialect: each is counted.
 MARKS = {
     "openai": b'"delta":{"content"',
     "anthropic": b'"text_delta"',
     "responses": b'"type":"response.output_text.delta"',
+    "gemini": b'"parts":[{"text"',
 }
 # The Responses terminal events that carry the usage (the limit reached: incomplete).
 TERMINAL = ("response.completed", "response.incomplete")
@@ -89,8 +95,23 @@ def request(dialect: str, conversation: list[dict[str, str]], tokens: int) -> di
     """The streaming request of ``dialect``: greedy, ``ignore_eos``, ``tokens`` at most."""
     system = [m["content"] for m in conversation if m["role"] == "system"]
     rest = [m for m in conversation if m["role"] != "system"]
-    if dialect == "responses":
+    if dialect == "gemini":
         data: dict[str, Any] = {
+            "contents": [
+                {
+                    "role": "model" if m["role"] == "assistant" else "user",
+                    "parts": [{"text": m["content"]}],
+                }
+                for m in rest
+            ],
+            "generationConfig": {"temperature": 0, "maxOutputTokens": tokens},
+            "ignore_eos": True,
+        }
+        if system:
+            data["systemInstruction"] = {"parts": [{"text": "\n\n".join(system)}]}
+        return data
+    if dialect == "responses":
+        data = {
             "model": "smollm2",
             "input": [{"role": m["role"], "content": m["content"]} for m in rest],
             "stream": True,
@@ -139,6 +160,8 @@ def output_tokens(dialect: str, raw: bytes) -> int:
             usage = obj.get("usage")
         elif dialect == "responses" and kind in TERMINAL:
             usage = (obj.get("response") or {}).get("usage")
+        elif dialect == "gemini" and "usageMetadata" in obj:
+            usage = {"output_tokens": obj["usageMetadata"].get("candidatesTokenCount", 0)}
         if usage:
             found = usage.get("completion_tokens", usage.get("output_tokens", 0))
     return int(found)

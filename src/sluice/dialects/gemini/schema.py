@@ -202,6 +202,8 @@ class _Fields(_Wire):
 class GenerateContentRequest(_Fields):
     """``POST /v1beta/models/{model}:generateContent`` (and ``:streamGenerateContent``)."""
 
+    ignore_eos: bool = False  # sluice's extension (as in the other dialects): for benchmarks
+
     def to_request(self, model: str) -> GenerationRequest:
         config = self.generation_config
         sampling = SamplingParams(
@@ -211,6 +213,7 @@ class GenerateContentRequest(_Fields):
             seed=config.seed,
             presence_penalty=config.presence_penalty or 0.0,
             frequency_penalty=config.frequency_penalty or 0.0,
+            ignore_eos=self.ignore_eos,
         )
         return self.prompt_request(
             model,
