@@ -267,6 +267,10 @@ def test_every_route_but_health_needs_a_key(keyed: tuple[str, list[tuple[str, st
                 assert r.headers["www-authenticate"] == "Bearer"
                 if method != "HEAD" and path in OLLAMA_PATHS:  # Ollama's shape: a string
                     assert isinstance(r.json()["error"], str) and r.json()["error"], r.text
+                elif method != "HEAD" and (
+                    path.startswith("/v1beta/") or (":" in path and path.startswith("/v1/models/"))
+                ):  # Google's shape
+                    assert r.json()["error"]["status"] == "UNAUTHENTICATED", r.text
                 elif method != "HEAD":
                     err = r.json()["error"]
                     assert err["type"] == "authentication_error"
