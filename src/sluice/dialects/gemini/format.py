@@ -3,9 +3,9 @@
 Streamed (``streamGenerateContent``), each record carries the new parts of one
 candidate: text as it comes, a thought part (``"thought": true``) for reasoning when
 ``includeThoughts`` asked for it, a function call whole once its arguments are complete
-(``args`` an object). A candidate's last record carries its ``finishReason``, and every
-record the running ``usageMetadata``. Folded (``generateContent``), the same parts are
-joined into one record per response. An error after the first record is one record
+(``args`` an object). A candidate's last record carries its ``finishReason`` and the
+``usageMetadata`` (the others leave it out: the same few counters each token). Folded
+(``generateContent``), the same parts are joined into one record per response. An error after the first record is one record
 ``{"error": {"code", "message", "status"}}``; before it, a real status with that body.
 
 Example::
@@ -80,25 +80,35 @@ def error_frame(error: BaseException) -> bytes:
 
 
 class _Candidate:
+    """One candidate's parts so far (the folded answer): text pieces kept in lists, joined
+    once at the end, so a long answer costs no repeated copying."""
+
     __slots__ = ("calls", "finish", "parts", "tokens")
 
     def __init__(self) -> None:
-        self.parts: list[dict[str, Any]] = []  # folded: texts merged
+        self.parts: list[Any] = []  # [thought?, [pieces]] for text, or a part dict
         self.calls: dict[int, list[str]] = {}  # index -> [id, name, arguments so far]
         self.finish: str | None = None
         self.tokens = 0
 
-    def add(self, part: dict[str, Any]) -> None:
+    def text(self, piece: str, thought: bool) -> None:
         last = self.parts[-1] if self.parts else None
-        if (
-            last is not None
-            and "text" in part
-            and "text" in last
-            and bool(last.get("thought")) == bool(part.get("thought"))
-        ):
-            last["text"] += part["text"]
+        if isinstance(last, list) and last[0] is thought:
+            last[1].append(piece)
         else:
-            self.parts.append(dict(part))
+            self.parts.append([thought, [piece]])
+
+    def folded(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for part in self.parts:
+            if isinstance(part, list):
+                text: dict[str, Any] = {"text": "".join(part[1])}
+                if part[0]:
+                    text["thought"] = True
+                out.append(text)
+            else:
+                out.append(part)
+        return out
 
 
 class GeminiFormatter:
@@ -110,7 +120,7 @@ class GeminiFormatter:
         self.id = response_id or secrets.token_urlsafe(12)
         self.prompt_tokens = 0
         self.cached_tokens = 0
-        self._usage_output: dict[int, int] = {}  # per candidate, from its Finish
+        self._output = 0  # output tokens of every candidate (a Finish's usage corrects)
         self._candidates: dict[int, _Candidate] = {}
         self._held: dict[str, Any] | None = None  # the newest parts' candidate record
 
@@ -128,11 +138,16 @@ class GeminiFormatter:
                 return []
             candidate = self._candidate(event.choice)
             candidate.tokens += event.token_count
-            return self._parts(event.choice, [{"text": event.text}]) if event.text else []
+            self._output += event.token_count
+            if not event.text:
+                return []
+            candidate.text(event.text, False)
+            return self._hold(event.choice, {"text": event.text})
         if isinstance(event, ReasoningDelta):
             if not self.include_thoughts or not event.text:
                 return []
-            return self._parts(event.choice, [{"text": event.text, "thought": True}])
+            self._candidate(event.choice).text(event.text, True)
+            return self._hold(event.choice, {"text": event.text, "thought": True})
         if isinstance(event, ToolCallStart):
             self._candidate(event.choice).calls[event.index] = [event.id, event.name, ""]
             return []
@@ -151,9 +166,9 @@ class GeminiFormatter:
             if args is None:
                 candidate.finish = "MALFORMED_FUNCTION_CALL"
                 return []
-            return self._parts(
-                event.choice, [{"functionCall": {"name": name, "args": args, "id": call_id}}]
-            )
+            part = {"functionCall": {"name": name, "args": args, "id": call_id}}
+            candidate.parts.append(part)
+            return self._hold(event.choice, part)
         if isinstance(event, Start):
             self.prompt_tokens = max(self.prompt_tokens, event.prompt_tokens)
             return []
@@ -169,7 +184,8 @@ class GeminiFormatter:
             if event.usage is not None:
                 self.prompt_tokens = event.usage.prompt_tokens or self.prompt_tokens
                 self.cached_tokens = event.usage.cached_tokens
-                self._usage_output[event.choice] = event.usage.completion_tokens
+                self._output += event.usage.completion_tokens - candidate.tokens
+                candidate.tokens = event.usage.completion_tokens
             held, self._held = self._held, None
             if held is not None and held["index"] == event.choice:
                 # The finish goes with the candidate's last parts (a client may take a
@@ -191,31 +207,30 @@ class GeminiFormatter:
         held, self._held = self._held, None
         return [*self._flush(held), Frame(error_body(as_sluice_error(error)))]
 
-    def _parts(self, choice: int, parts: list[dict[str, Any]]) -> list[Frame]:
-        """New parts: held until the next event, which may be their candidate's finish;
+    def _hold(self, choice: int, part: dict[str, Any]) -> list[Frame]:
+        """A new part: held until the next event, which may be its candidate's finish;
         the record held before goes out."""
-        candidate = self._candidate(choice)
-        for part in parts:
-            candidate.add(part)
         held = self._held
-        self._held = {"content": {"role": "model", "parts": parts}, "index": choice}
-        return self._flush(held)
+        self._held = {"content": {"role": "model", "parts": [part]}, "index": choice}
+        return [] if held is None else [Frame(self._record([held], usage=False))]
 
     def _flush(self, held: dict[str, Any] | None) -> list[Frame]:
         return [] if held is None else [Frame(self._record([held]))]
 
-    def _record(self, candidates: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
+    def _record(self, candidates: list[dict[str, Any]], usage: bool = True) -> dict[str, Any]:
+        record: dict[str, Any] = {
             "candidates": candidates,
-            "usageMetadata": self.usage(),
             "modelVersion": self.model,
             "responseId": self.id,
         }
+        if usage:  # a candidate's last record, and the folded answer
+            record["usageMetadata"] = self.usage()
+        return record
 
     # -- the folded answer -------------------------------------------------------------
 
     def usage(self) -> dict[str, Any]:
-        output = sum(self._usage_output.get(i, c.tokens) for i, c in self._candidates.items())
+        output = self._output
         return {
             "promptTokenCount": self.prompt_tokens,
             "candidatesTokenCount": output,
@@ -227,7 +242,7 @@ class GeminiFormatter:
     def response(self) -> dict[str, Any]:
         candidates = [
             {
-                "content": {"role": "model", "parts": c.parts},
+                "content": {"role": "model", "parts": c.folded()},
                 "finishReason": c.finish or "STOP",
                 "index": i,
             }
