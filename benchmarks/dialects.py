@@ -331,7 +331,7 @@ def report(
     summary: dict[str, Any] = {}
     lines = [
         (
-            "# Dialect overhead: Anthropic Messages and OpenAI Responses vs OpenAI chat "
+            "# Dialect overhead: Anthropic Messages, OpenAI Responses and Gemini vs OpenAI chat "
             f"({started:%Y-%m-%d %H:%M})"
         ),
         "",
