@@ -23,6 +23,7 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from tests.support.real_server import QUIET, wait_idle
+from tests.support.relay import Relay
 from tests.support.servers import serve_process
 
 _data_home = tempfile.TemporaryDirectory(prefix="sluice-test-data-")
@@ -40,6 +41,15 @@ def small_base() -> Iterator[str]:
     """A second server whose context is only 256 tokens per sequence."""
     with serve_process("--parallel", "1", "--ctx", "256", *QUIET) as url:
         yield url
+
+
+@pytest.fixture(scope="module")
+def relay(base: str) -> Iterator[Relay]:
+    """A TCP relay in front of the session server that records what it sends back, for
+    checking an upstream's passthrough byte for byte."""
+    r = Relay(base)
+    yield r
+    r.close()
 
 
 @pytest.fixture

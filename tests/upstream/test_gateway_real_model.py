@@ -36,13 +36,6 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def relay(base: str) -> Iterator[Relay]:
-    r = Relay(base)
-    yield r
-    r.close()
-
-
-@pytest.fixture(scope="module")
 def gateway(relay: Relay) -> Iterator[str]:
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "sluice.toml"

@@ -105,9 +105,36 @@ RESPONSES_EVENTS = [
     },
 ]
 
+# An upstream that speaks Google's Gemini API itself (native_apis = ["gemini"]).
+GEMINI_RECORDS = [
+    {
+        "candidates": [{"content": {"role": "model", "parts": [{"text": "Hel"}]}, "index": 0}],
+        "responseId": "gem_up",
+    },
+    {
+        "candidates": [
+            {
+                "content": {"role": "model", "parts": [{"text": "lo"}]},
+                "finishReason": "STOP",
+                "index": 0,
+            }
+        ],
+        "usageMetadata": {
+            "promptTokenCount": 6,
+            "candidatesTokenCount": 2,
+            "thoughtsTokenCount": 3,
+        },
+        "responseId": "gem_up",
+    },
+]
+
 
 # An image, a transcription, an embedding: whatever it is, the bytes are the upstream's.
 MEDIA_BODY = json.dumps({"data": [{"b64_json": "aGk=", "embedding": [0.5]}]}, indent=1).encode()
+
+
+def gemini_event(data: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(data)}\r\n\r\n".encode()  # Google's framing: CRLF
 
 
 def anthropic_event(data: dict[str, Any]) -> bytes:
@@ -254,6 +281,20 @@ class Upstream:
         for event in RESPONSES_EVENTS:
             self._chunk(sock, anthropic_event(event))  # the same named-event framing
         sock.sendall(b"0\r\n\r\n")
+        return True
+
+    def _gemini(self, sock: socket.socket, body: dict[str, Any]) -> bool:
+        path = self.posts[-1]["path"]
+        if ":countTokens" in path:
+            self._respond(sock, 200, b'{"totalTokens": 42}')
+        elif "alt=sse" in path:
+            self._stream_head(sock)
+            for record in GEMINI_RECORDS:
+                self._chunk(sock, gemini_event(record))
+            sock.sendall(b"0\r\n\r\n")
+        else:  # generateContent, or a stream as one JSON array
+            records = GEMINI_RECORDS if ":stream" in path else GEMINI_RECORDS[-1]
+            self._respond(sock, 200, json.dumps(records, indent=1).encode())
         return True
 
     def _anthropic_drop(self, sock: socket.socket, body: dict[str, Any]) -> bool:
@@ -563,6 +604,50 @@ def test_a_native_responses_upstream_gets_the_body_and_its_bytes_come_back() -> 
     assert (slot["tokens_in"], slot["tokens_out"], slot["errors"]) == (7, 1, 0)
     assert up.posts[0]["path"] == "/v1/responses"
     assert up.posts[0]["body"] == body | {"model": "m1"}
+
+
+def test_a_native_gemini_upstream_gets_the_body_and_its_bytes_come_back() -> None:
+    with upstreams("gemini") as (up,), gateway([up.url], native_apis=["gemini"]) as base:
+        body = {"contents": [{"role": "user", "parts": [{"text": "hi"}]}], "x_extra": {"a": 1}}
+        key = {"x-goog-api-key": "client-key"}
+        url = f"{base}/v1beta/models/alias-m1"
+        sse = httpx.post(f"{url}:streamGenerateContent?alt=sse&key=k", json=body, timeout=10)
+        array = httpx.post(f"{url}:streamGenerateContent", json=body, headers=key, timeout=10)
+        whole = httpx.post(f"{base}/v1/models/alias-m1:generateContent", json=body, timeout=10)
+        counted = httpx.post(
+            f"{url}:countTokens",
+            json={"generateContentRequest": {"model": "models/alias-m1"} | body},
+            timeout=10,
+        )
+        slot = httpx.get(f"{base}/v1/info").json()["slots"]["up"]
+    assert sse.status_code == 200 and sse.headers["content-type"].startswith("text/event-stream")
+    assert sse.content == b"".join(gemini_event(r) for r in GEMINI_RECORDS)
+    assert array.content == json.dumps(GEMINI_RECORDS, indent=1).encode()
+    assert whole.content == json.dumps(GEMINI_RECORDS[-1], indent=1).encode()
+    assert counted.json() == {"totalTokens": 42}
+    paths = [p["path"] for p in up.posts]
+    assert paths == [
+        "/v1beta/models/m1:streamGenerateContent?alt=sse",  # the client's key is not sent
+        "/v1beta/models/m1:streamGenerateContent",
+        "/v1beta/models/m1:generateContent",
+        "/v1beta/models/m1:countTokens",
+    ]
+    assert up.posts[0]["body"] == body  # as the client wrote it
+    assert "x-goog-api-key" not in up.posts[1]["headers"]
+    assert up.posts[3]["body"]["generateContentRequest"]["model"] == "models/m1"
+    # The tap read Gemini's usage three times: 6 in, 2 answer + 3 thoughts out each.
+    assert (slot["tokens_in"], slot["tokens_out"], slot["errors"]) == (18, 15, 0)
+
+
+def test_a_native_gemini_upstream_gets_the_slot_key() -> None:
+    with (
+        upstreams("gemini") as (up,),
+        gateway([up.url], native_apis=["gemini"], api_key="slot-key") as base,
+    ):
+        body = {"contents": [{"role": "user", "parts": [{"text": "hi"}]}]}
+        r = httpx.post(f"{base}/v1beta/models/m1:generateContent", json=body, timeout=10)
+    assert r.status_code == 200
+    assert up.posts[0]["headers"]["x-goog-api-key"] == "slot-key"
 
 
 def test_images_audio_rerank_and_embeddings_pass_through_to_an_upstream_model() -> None:

@@ -47,7 +47,12 @@ from sluice.metrics.slots import (
     SlotMetrics,
 )
 from sluice.metrics.stream import MeteredStream, metered
-from sluice.metrics.taps import AnthropicEventTap, OpenAIChunkTap, ResponsesEventTap
+from sluice.metrics.taps import (
+    AnthropicEventTap,
+    GeminiRecordTap,
+    OpenAIChunkTap,
+    ResponsesEventTap,
+)
 
 __all__ = [
     "CONTENT_TYPE",
@@ -55,6 +60,7 @@ __all__ = [
     "TTFT_BUCKETS",
     "TTFT_SAMPLES",
     "AnthropicEventTap",
+    "GeminiRecordTap",
     "MeteredStream",
     "Metrics",
     "OpenAIChunkTap",

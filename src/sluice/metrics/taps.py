@@ -184,6 +184,60 @@ class ResponsesEventTap(OpenAIChunkTap):
             self._completion = usage["output_tokens"]
 
 
+class GeminiRecordTap(OpenAIChunkTap):
+    """The same, for an upstream that speaks Google's Gemini API natively: each record
+    whose candidates carry parts counts one token until ``usageMetadata`` says (the
+    candidates' tokens plus the thoughts'); a candidate's ``finishReason`` or an
+    ``error`` ends the answer."""
+
+    def chunk(self, data: Mapping[str, Any]) -> None:
+        if not self._named:
+            self._name(data.get("responseId"))
+        if data.get("error"):
+            self._error = True
+            return
+        candidates = data.get("candidates")
+        if isinstance(candidates, list):
+            bearing = sum(1 for c in candidates if _has_parts(c))
+            if bearing:
+                self._meter.tokens(bearing)
+        self._gemini_usage(data.get("usageMetadata"))
+
+    def body(self, data: Mapping[str, Any]) -> None:
+        if data.get("error"):
+            self._error = True
+            return
+        self._name(data.get("responseId"))
+        self._meter.first_token()
+        self._gemini_usage(data.get("usageMetadata"))
+        if self._completion is not None:
+            self._meter.tokens(self._completion)
+
+    def ended(self, data: Mapping[str, Any]) -> bool:
+        if "error" in data:
+            return True
+        candidates = data.get("candidates")
+        return isinstance(candidates, list) and any(
+            isinstance(c, Mapping) and c.get("finishReason") for c in candidates
+        )
+
+    def _gemini_usage(self, usage: object) -> None:
+        if not isinstance(usage, Mapping):
+            return
+        if _is_count(usage.get("promptTokenCount")):
+            self._prompt = usage["promptTokenCount"]
+        answer = usage.get("candidatesTokenCount")
+        if _is_count(answer):
+            thoughts = usage.get("thoughtsTokenCount")
+            self._completion = answer + (thoughts if _is_count(thoughts) else 0)
+
+
+def _has_parts(candidate: object) -> bool:
+    content = candidate.get("content") if isinstance(candidate, Mapping) else None
+    parts = content.get("parts") if isinstance(content, Mapping) else None
+    return isinstance(parts, list) and bool(parts)
+
+
 def _carries_content(choice: object) -> bool:
     if not isinstance(choice, Mapping):
         return False

@@ -202,12 +202,18 @@ class Dispatcher:
         headers: Mapping[str, str] | None = None,
         *,
         tap: type[OpenAIChunkTap] = OpenAIChunkTap,
+        prefix: str = "/v1",
     ) -> Passthrough:
         """``target``'s answer to a body in its own dialect, forwarded unchanged (see
         ``UpstreamModel.passthrough``), in flight until it ends."""
         slot = target.slot.name
         return await target.backend().passthrough(
-            path, body, headers, tap=tap, on_start=lambda a: self.flights.track(a, slot)
+            path,
+            body,
+            headers,
+            tap=tap,
+            on_start=lambda a: self.flights.track(a, slot),
+            prefix=prefix,
         )
 
     def native(self, name: object, api: str) -> UpstreamTarget | None:

@@ -200,6 +200,7 @@ class UpstreamModel:
         *,
         tap: type[OpenAIChunkTap] = OpenAIChunkTap,
         on_start: Callable[[Passthrough], None] | None = None,
+        prefix: str = "/v1",
     ) -> Passthrough:
         """Send a body in the upstream's own dialect (``model`` already the upstream's
         name) and hand back the answer to forward unchanged. Errors before the first
@@ -212,7 +213,7 @@ class UpstreamModel:
             on_start(answer)
         try:
             answer._response = await answer._interrupt.wait(
-                lambda: self.slot.pool.send(path, body, headers)
+                lambda: self.slot.pool.send(path, body, headers, prefix=prefix)
             )
         except BaseException as exc:
             answer._finish(error=isinstance(exc, SluiceError))
@@ -353,9 +354,13 @@ class Passthrough:
             self._finish(error=True)
             raise
         if self.response.status == 200:
-            data = _json_object(body)
-            if data is not None:
+            data = _json_value(body)
+            if isinstance(data, dict):
                 self.tap.body(data)
+            elif isinstance(data, list):  # Gemini's stream as one JSON array: its records
+                for record in data:
+                    if isinstance(record, dict):
+                        self.tap.chunk(record)
         self._finish(error=self.response.status >= 500)
         return body
 
@@ -407,11 +412,15 @@ class Passthrough:
             await self._response.aclose()
 
 
-def _json_object(data: str | bytes) -> dict[str, Any] | None:
+def _json_value(data: str | bytes) -> Any:
     try:
-        parsed = json.loads(data)
+        return json.loads(data)
     except ValueError:
         return None
+
+
+def _json_object(data: str | bytes) -> dict[str, Any] | None:
+    parsed = _json_value(data)
     return parsed if isinstance(parsed, dict) else None
 
 

@@ -28,7 +28,7 @@ DEFAULT_CONNECT_TIMEOUT = 5.0
 DEFAULT_HEALTH_INTERVAL = 10.0
 # Dialects besides OpenAI's that an upstream may speak itself (``native_apis``): a request
 # in one of them then goes up unchanged (only ``model`` rewritten) and its bytes come back.
-NATIVE_APIS = frozenset({"anthropic", "responses"})
+NATIVE_APIS = frozenset({"anthropic", "responses", "gemini"})
 
 _KEYS = frozenset(
     {

@@ -286,9 +286,15 @@ class UpstreamPool:
     # -- requests ----------------------------------------------------------------------
 
     async def send(
-        self, path: str, body: bytes, headers: Mapping[str, str] | None = None
+        self,
+        path: str,
+        body: bytes,
+        headers: Mapping[str, str] | None = None,
+        *,
+        prefix: str = "/v1",
     ) -> UpstreamResponse:
-        """POST ``body`` to ``<replica>/v1<path>``; the response once its headers arrived.
+        """POST ``body`` to ``<replica><prefix><path>`` (``/v1`` but for Gemini's
+        ``/v1beta``); the response once its headers arrived.
 
         Fails over to the next usable replica on a connection failure, a timeout
         or a 5xx other than 503; a 429/503 (busy) tries the next one too, and if
@@ -308,7 +314,7 @@ class UpstreamPool:
                 tried.add(index)
                 replica = self._replicas[index]
                 request = self._client.build_request(
-                    "POST", f"{replica.url}/v1{path}", content=body, headers=merged
+                    "POST", f"{replica.url}{prefix}{path}", content=body, headers=merged
                 )
                 replica.outstanding += 1
                 try:

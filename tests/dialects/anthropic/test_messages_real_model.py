@@ -33,13 +33,6 @@ ASK = [{"role": "user", "content": "Name three colors."}]
 
 
 @pytest.fixture(scope="module")
-def relay(base: str) -> Iterator[Relay]:
-    r = Relay(base)
-    yield r
-    r.close()
-
-
-@pytest.fixture(scope="module")
 def gateway(relay: Relay) -> Iterator[str]:
     """A sluice whose only models are the session server's, through two slots."""
     with gateway_in_front(relay.url, native_apis=("anthropic",)) as url:

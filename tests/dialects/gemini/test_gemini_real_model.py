@@ -1,6 +1,8 @@
 """Google's Gemini API on the real SmolLM2 through Google's official ``google-genai`` SDK
-(a base URL at sluice): on the local model and on an upstream model (a second sluice in
-front of the first, translating through the neutral request)."""
+(a base URL at sluice): on the local model, on an upstream model (a second sluice in
+front of the first, translating through the neutral request), and on an upstream that
+speaks the Gemini API itself (slot ``native``, whose bytes pass through unchanged,
+recorded by a relay and compared)."""
 
 from __future__ import annotations
 
@@ -8,15 +10,17 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 from google import genai
 from google.genai import types
 
+from tests.support.relay import Relay
 from tests.support.servers import gateway_in_front
 
 pytestmark = pytest.mark.integration
 
-MODELS = ["smollm2", "up-smollm2"]
+MODELS = ["smollm2", "up-smollm2", "native-smollm2"]
 
 
 def get_weather(city: str) -> str:
@@ -29,8 +33,8 @@ def get_weather(city: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def upstream(base: str) -> Iterator[str]:
-    with gateway_in_front(base) as front:
+def upstream(relay: Relay) -> Iterator[str]:
+    with gateway_in_front(relay.url, native_apis=("gemini",)) as front:
         yield front
 
 
@@ -41,7 +45,7 @@ def client(url: str) -> genai.Client:
 
 
 def at(base: str, upstream: str, model: str) -> genai.Client:
-    return client(upstream if model.startswith("up-") else base)
+    return client(base if model == "smollm2" else upstream)
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -153,3 +157,19 @@ def test_embed_content(base: str, upstream: str, model: str) -> None:
     vectors = [e.values or [] for e in out.embeddings or []]
     assert len(vectors) == 2 and len(vectors[0]) == len(vectors[1]) > 100
     assert vectors[0] != vectors[1]
+
+
+def test_native_passthrough_is_byte_for_byte(base: str, upstream: str, relay: Relay) -> None:
+    body = {
+        "contents": [{"role": "user", "parts": [{"text": "Say hello."}]}],
+        "generationConfig": {"maxOutputTokens": 12, "temperature": 0},
+    }
+    url = f"{upstream}/v1beta/models/native-smollm2"
+    for method in ("generateContent", "streamGenerateContent?alt=sse", "streamGenerateContent"):
+        r = httpx.post(f"{url}:{method}", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-sluice-slot"] == f"native; replica={relay.url}"
+        assert relay.sent(r.content), f"{method}: the body is not what the upstream sent"
+    # A translated slot's answer is the gateway's own, decoded and re-encoded.
+    up = httpx.post(f"{upstream}/v1beta/models/up-smollm2:generateContent", json=body, timeout=60)
+    assert up.status_code == 200 and up.json()["modelVersion"] == "up-smollm2"

@@ -32,13 +32,6 @@ BACKENDS = ["smollm2", "up-smollm2"]
 
 
 @pytest.fixture(scope="module")
-def relay(base: str) -> Iterator[Relay]:
-    r = Relay(base)
-    yield r
-    r.close()
-
-
-@pytest.fixture(scope="module")
 def gateway(relay: Relay) -> Iterator[str]:
     with gateway_in_front(relay.url, native_apis=("responses",)) as url:
         yield url

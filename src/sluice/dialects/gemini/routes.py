@@ -2,7 +2,9 @@
 ``POST models/{model}:generateContent``, ``:streamGenerateContent`` (SSE with
 ``alt=sse``, else one JSON array streamed record by record), ``:countTokens``, and
 ``GET models`` and ``models/{model}``, on every backend (local and upstream, translated
-through the neutral request).
+through the neutral request); a model of an upstream with ``native_apis = ["gemini"]``
+gets the body as it came (at ``/v1beta/models/<its name>:<method>``) and its bytes
+come back unchanged.
 
 Order of a request: before any byte (a real status, Google's error body) the body is
 read within the size limit and validated (``schema.py``), images for a local model are
@@ -22,6 +24,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
+from urllib.parse import quote, urlencode
 
 import orjson
 from starlette.requests import Request
@@ -31,9 +34,11 @@ from sluice.core.errors import InvalidRequest, ModelNotFound, NotFound, as_sluic
 from sluice.core.events import ErrorEvent
 from sluice.dialects.gemini.format import GeminiFormatter, error_body, error_frame, error_response
 from sluice.dialects.gemini.schema import CountTokensRequest, GenerateContentRequest, parse
+from sluice.metrics import GeminiRecordTap
+from sluice.models.dispatch import UpstreamTarget
 from sluice.models.flights import identify
 from sluice.server.jsonbody import check_body_limits, check_embed_inputs
-from sluice.server.respond import CLIENT_GONE, count_prompt, errors_as, respond
+from sluice.server.respond import CLIENT_GONE, count_prompt, errors_as, forward, respond
 from sluice.server.sse import json_response, sse_stream
 from sluice.server.state import ServerState, read_json, server_state
 from sluice.upstream.backend import slot_header
@@ -41,6 +46,7 @@ from sluice.upstream.backend import slot_header
 log = logging.getLogger("sluice.api")
 
 PREFIX = "/v1beta"
+NATIVE = "gemini"  # an upstream's native_apis entry for this dialect
 V1_MODELS = "/v1/models/"  # its methods are also served under /v1 (POST only)
 
 
@@ -76,6 +82,9 @@ async def model_method(request: Request) -> Response:
     data = await read_json(request)
     if data is None:
         return Response(status_code=CLIENT_GONE)
+    target = state.dispatcher.native(model, NATIVE)
+    if target is not None:
+        return await _passthrough(request, state, target, method, data)
     if method == "countTokens":
         return await _count_tokens(request, state, model, data)
     if method == "embedContent":
@@ -143,6 +152,46 @@ async def _records(events: Any, formatter: GeminiFormatter) -> AsyncIterator[Any
             return
         for frame in formatter.frames(event):
             yield frame.data
+
+
+async def _passthrough(
+    request: Request, state: ServerState, target: UpstreamTarget, method: str, data: Any
+) -> Response:
+    """A request to an upstream that speaks the Gemini API: the body as it came, to its
+    own name for the model, with the query (``alt=sse``) but not a ``key`` (the slot's
+    own key goes as ``x-goog-api-key``); its bytes back unchanged. A stream without
+    ``alt=sse`` (one JSON array) comes back whole once the upstream has finished it."""
+    query = urlencode([(k, v) for k, v in request.query_params.multi_items() if k != "key"])
+    path = f"/models/{quote(target.model, safe='/')}:{method}" + (f"?{query}" if query else "")
+    raw = orjson.dumps(_renamed(data, f"models/{target.model}"))
+    key = target.slot.spec.api_key
+    headers = {"accept": request.headers.get("accept") or "*/*"}
+    if key:
+        headers["x-goog-api-key"] = key
+    answer = await state.dispatcher.passthrough(
+        target, path, raw, headers, tap=GeminiRecordTap, prefix=PREFIX
+    )
+    sse = request.query_params.get("alt") == "sse"
+    return await forward(
+        request,
+        state.settings,
+        answer,
+        failure_frame=error_frame if sse else _array_failure,
+        render_error=error_response,
+    )
+
+
+def _renamed(data: Any, name: str) -> Any:
+    """The body with the model named inside it (``countTokens``' ``generateContentRequest``,
+    each of ``batchEmbedContents``' ``requests``) as the upstream's ``name``."""
+    inner = [data.get("generateContentRequest")]
+    requests = data.get("requests")
+    if isinstance(requests, list):
+        inner.extend(requests)
+    for item in inner:
+        if isinstance(item, dict) and "model" in item:
+            item["model"] = name
+    return data
 
 
 def _array_failure(error: BaseException) -> bytes:
