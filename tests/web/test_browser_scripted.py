@@ -138,3 +138,22 @@ def test_a_code_block_has_a_copy_button(page: Any, server: tuple[str, ScriptedRu
     copy.click()
     expect(copy).to_have_text("Copied")
     assert page.evaluate("navigator.clipboard.readText()") == 'print("hi")\n'
+
+
+def test_the_page_names_each_dialects_base_url(
+    page: Any, server: tuple[str, ScriptedRunner], shots: Path
+) -> None:
+    from playwright.sync_api import expect
+
+    page.get_by_text("Use this server from your tools").click()
+    base = server[0]
+    connect = page.locator("#connect")
+    for shown in (
+        f"{base}/v1",
+        f"ANTHROPIC_BASE_URL={base}",
+        f"GOOGLE_GEMINI_BASE_URL={base}",
+        f"OLLAMA_HOST={base}",
+        f"{base}/api/v1",
+    ):
+        expect(connect.get_by_text(shown, exact=True)).to_be_visible()
+    page.screenshot(path=str(shots / "connect.png"))

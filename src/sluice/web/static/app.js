@@ -32,6 +32,11 @@ const state = {
   metrics: new Map(), // message id -> the figures measured here
 };
 
+// Each dialect's base URL, as this page reached the server.
+for (const el of document.querySelectorAll("[data-url]")) {
+  el.textContent = location.origin + el.dataset.url;
+}
+
 // -- errors and the key ----------------------------------------------------------------
 
 function showError(message) {
