@@ -36,6 +36,16 @@ EOS = object()
 FAIL = object()
 
 EOS_ID = 2
+
+
+@dataclass(frozen=True)
+class Forced:
+    """A script item its grammar forces: ``force`` hands it over (jump-forward) when it
+    comes right after a sampled token; ``sample`` takes it like any piece otherwise."""
+
+    piece: bytes
+
+
 _PIECE_BASE = 0x200000
 
 CHATML = (
@@ -78,6 +88,7 @@ class ScriptedRunner:
     trim_after_restore: bool = True  # False: like a sliding-window model's saved state
     control_texts: tuple[str, ...] = ("<|im_start|>", "<|im_end|>")
     min_prefill_chunk: int = 1
+    can_rewind: bool = True  # keep_prefix drops any suffix (speculation's rejected rows)
     state_bytes_per_token: int = 4  # size of a saved state, like a real KV's (>= 4)
     embedders: list[FakeEmbedder] = field(default_factory=list)  # made by new_embedder
     embed_delay: float = 0.0  # seconds each embedding decode takes
@@ -209,8 +220,21 @@ class ScriptedRunner:
                 continue
             if item is EOS:
                 return EOS_ID
+            if isinstance(item, Forced):
+                return self.piece_id(item.piece)
             return self.piece_id(item)
         return EOS_ID
+
+    def force(self, sampler: Any, limit: int) -> list[int]:
+        out: list[int] = []
+        while (
+            len(out) < limit
+            and sampler.pos < len(sampler.script)
+            and isinstance(sampler.script[sampler.pos], Forced)
+        ):
+            out.append(self.piece_id(sampler.script[sampler.pos].piece))
+            sampler.pos += 1
+        return out
 
     def logprobs(self, row: int, token: int, top_n: int) -> TokenLogprob:
         piece = self.token_bytes(token)

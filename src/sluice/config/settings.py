@@ -200,6 +200,21 @@ class Settings:
         "time they use (measured), in chunks of about 0.5 s, so they keep about 1 / (1 + "
         "this) of their speed; a prompt that fits in one batch is prefilled whole",
     )
+    max_draft: int = setting(
+        16,
+        "engine",
+        "prompt-lookup speculation: the most tokens drafted from earlier text (the prompt "
+        "and the answer) and verified in one decode, lossless; each sequence drafts only "
+        "as long as its acceptance rate pays for the rows; 0: off (a request's "
+        "speculative.max_draft may lower it)",
+    )
+    jump_forward: bool = setting(
+        True,
+        "engine",
+        "decode the tokens a grammar forces (JSON keys and punctuation, tool-call markup) "
+        "in one step without sampling them (a request's speculative.jump_forward may turn "
+        "it off)",
+    )
     prompt_special_tokens: bool = setting(
         True,
         "engine",

@@ -145,6 +145,11 @@ class SamplingParams:
     # The literal texts every trigger match's capture starts with (a hint that lets
     # the local engine run the patterns only when one appears: sluice.engine.trigger).
     grammar_trigger_words: tuple[str, ...] = ()
+    # Fewer decode steps (a local model; None: the server's setting): the most tokens a
+    # prompt-lookup draft may propose (0: no speculation), and whether tokens a grammar
+    # forces are decoded without sampling (jump-forward). Neither changes the output.
+    max_draft: int | None = None
+    jump_forward: bool | None = None
 
     @property
     def uses_penalties(self) -> bool:

@@ -80,6 +80,8 @@ def _local(
         ).as_dict(),
         "status": status.state,
         "metrics": state.metrics.slot(spec.name, "local").snapshot(),
+        # speculation and jump-forward, once the model is loaded
+        "decoding": model.decoding() if isinstance(model, LocalModel) else None,
     }
 
 

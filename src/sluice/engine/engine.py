@@ -54,6 +54,7 @@ from sluice.engine.prompt_cache import (
 )
 from sluice.engine.runner import BatchEntry, DecodeError, ModelRunner
 from sluice.engine.scheduler import Planned, PrefillPacer, SlotView, deferred, plan_batch
+from sluice.engine.speculate import DraftPolicy, PromptLookup
 from sluice.engine.text import Ready, SequenceText
 from sluice.engine.types import EngineRequest, EventSink, SlotState
 from sluice.engine.work import (
@@ -139,7 +140,16 @@ class Engine:
         self._stopping = False
         self._stop_error: SluiceError = ShuttingDown("The server is shutting down.")
         self._finished = False
-        self._counters = {"steps": 0, "generated": 0, "prompt": 0, "cached": 0}
+        self._counters = {
+            "steps": 0,
+            "generated": 0,
+            "prompt": 0,
+            "cached": 0,
+            "drafted": 0,
+            "accepted": 0,
+            "forced": 0,
+        }
+        self._drafts = DraftPolicy()
         self._buffer = max(1, config.stream_buffer)
         self._resume_at = self._buffer // 2
         self._paused = 0  # works in slots with paused set
@@ -221,16 +231,16 @@ class Engine:
             now = time.monotonic()
             for req in requests:
                 sampler = self.runner.new_sampler(req.sampling, req.prompt_tokens)
-                works.append(
-                    Work(
-                        req,
-                        sink,
-                        sampler,
-                        next(self._keys),
-                        SequenceText(req.stop, req.logprobs is not None),
-                        now,
-                    )
+                work = Work(
+                    req,
+                    sink,
+                    sampler,
+                    next(self._keys),
+                    SequenceText(req.stop, req.logprobs is not None),
+                    now,
                 )
+                self._fewer_steps(work)
+                works.append(work)
         except Exception:
             for work in works:
                 self.runner.free_sampler(work.sampler)
@@ -240,6 +250,18 @@ class Engine:
         if self._finished:  # lost a race with shutdown: nobody will run these
             self._fail_leftovers(self._stop_error)
         return EngineHandle(tuple(w.key for w in works))
+
+    def _fewer_steps(self, work: Work) -> None:
+        """What ``work`` may use of speculation and jump-forward (caller's thread: the
+        prompt's n-gram index is built here, not on the engine thread)."""
+        sampling = work.req.sampling
+        limit = self.config.max_draft if sampling.max_draft is None else sampling.max_draft
+        work.max_draft = max(0, min(limit, self.config.max_draft)) if self.runner.can_rewind else 0
+        if work.max_draft:
+            work.lookup = PromptLookup(work.req.prompt_tokens)
+        jump = self.config.jump_forward if sampling.jump_forward is None else sampling.jump_forward
+        # A forced token has no logits of its own: with logprobs asked, each is sampled.
+        work.jump = bool(jump and sampling.grammar and work.req.logprobs is None)
 
     def expect(self) -> Arrival:
         """Announce a request that will be submitted shortly (see :class:`Arrival`).
@@ -502,6 +524,7 @@ class Engine:
                     work.admitted_order,
                     self._held(work),
                     len(work.req.prompt_tokens) - work.cached,
+                    1 + len(work.forced),
                 )
             )
         n_batch = self.runner.n_batch
@@ -523,6 +546,7 @@ class Engine:
         plan.sort(key=lambda p: p.seq)
         if not plan:
             return False
+        self._plan_drafts(plan, n_batch)
         started = time.perf_counter()
         entries, rows = self._build_batch(plan)
         try:
@@ -541,16 +565,52 @@ class Engine:
         for sink, events in outbox.values():
             _deliver(sink, events)
         # The whole step (decode, sampling, delivery) is what generating sequences wait.
-        n_decoded = n_long = n_short = 0
-        for p in plan:
+        n_decoded = n_long = n_short = extra = 0
+        for p, entry in zip(plan, entries):
             if not p.prefill:
                 n_decoded += 1
+                extra += len(entry.tokens) - 1
             elif p.short:
                 n_short += p.n_tokens
             else:
                 n_long += p.n_tokens
-        pacer.observe(time.perf_counter() - started, n_decoded, n_long, n_short, waited)
+        seconds = time.perf_counter() - started
+        if extra and not n_long and not n_short:
+            self._drafts.observe(seconds, pacer.decode_seconds(n_decoded), extra, n_decoded)
+        pacer.observe(seconds, n_decoded, n_long, n_short, waited, extra=extra > 0)
         return True
+
+    def _plan_drafts(self, plan: list[Planned], n_batch: int) -> None:
+        """Each generating sequence's draft for this step (see speculate.py): none in a
+        step that prefills (its rows are the prompt's), within the batch, the context
+        and the tokens the request has left, as long as the policy finds it pays."""
+        decoding = [p for p in plan if not p.prefill]
+        if len(decoding) < len(plan):
+            return
+        room = n_batch - sum(p.n_tokens for p in plan)
+        share = 1.0
+        if len(decoding) > 1:
+            one, many = self._pacer.decode_seconds(1), self._pacer.decode_seconds(len(decoding))
+            share = one / many if one and many else len(decoding) ** -0.5
+        for p in decoding:
+            work = self._slots[p.seq].work
+            assert work is not None
+            lookup = work.lookup
+            if lookup is None or room <= 0:
+                continue
+            cache = len(self._slots[p.seq].cache)
+            limit = min(work.max_draft, room, self.runner.n_ctx_seq - cache - p.n_tokens - 1)
+            if work.req.max_tokens is not None:  # the draft and the token after it
+                limit = min(limit, work.req.max_tokens - work.generated - 1)
+            draft = lookup.draft(limit)
+            if not draft:
+                continue
+            k = self._drafts.length(work.acceptance.rate, len(draft), len(decoding), share)
+            if k == 0:
+                work.acceptance.idle()
+                continue
+            work.draft = draft[:k]
+            room -= k
 
     def _held(self, work: Work) -> bool:
         """Backpressure: whether ``work`` sits out this step because its client is behind.
@@ -588,8 +648,12 @@ class Engine:
                 entries.append(BatchEntry(slot.seq, tokens, start, last, logits_all))
             else:
                 assert work.next_token is not None
-                tokens = [work.next_token]
-                entries.append(BatchEntry(slot.seq, tokens, len(slot.cache), True))
+                tokens = [work.next_token, *work.forced, *work.draft]
+                entries.append(
+                    BatchEntry(
+                        slot.seq, tokens, len(slot.cache), True, n_logits=1 + len(work.draft)
+                    )
+                )
             offset += len(tokens)
             rows.append(offset - 1)
         return entries, rows
@@ -605,6 +669,11 @@ class Engine:
         work = slot.work
         assert work is not None
         events = outbox.setdefault(id(work.sink), (work.sink, []))[1]
+        if not p.prefill:  # a draft's tokens join the cache as the sampler keeps them
+            draft, work.draft, work.forced = work.draft, [], []
+            slot.cache.extend(entry.tokens[: len(entry.tokens) - len(draft)])
+            self._verify(slot, work, draft, row, entry.pos0 + len(entry.tokens), events)
+            return
         slot.cache.extend(entry.tokens)
         if p.prefill:
             if entry.logits_all:
@@ -619,36 +688,114 @@ class Engine:
                 return
             slot.state = SlotState.GENERATING
             work.t_first = time.monotonic()
-        self._sample(slot, work, row, events)
+        self._verify(slot, work, [], row, len(slot.cache), events)
 
-    def _sample(self, slot: Slot, work: Work, row: int, events: list[Event]) -> None:
+    def _verify(
+        self,
+        slot: Slot,
+        work: Work,
+        draft: list[int],
+        last_row: int,
+        decoded: int,
+        events: list[Event],
+    ) -> None:
+        """Sample the rows of a decoded sequence: the row of its last token, preceded by
+        one row per drafted token. Each drafted token the sampler chooses in turn is
+        kept (its KV is valid); the first it does not choose ends the draft, and the
+        sampled token is the next one. The rows past what was kept leave the KV cache
+        at once (``decoded``: the cache's length in llama.cpp after the decode), so no
+        rejected token survives into a saved state. Then jump-forward: the tokens the
+        grammar forces after the new token are output now and decoded with it."""
+        first = last_row - len(draft)
+        kept = 0
+        for i in range(len(draft) + 1):
+            token = self.runner.sample(work.sampler, first + i)
+            if self._take(slot, work, token, first + i, 0, events):
+                break
+            if i < len(draft) and token == draft[i]:
+                slot.cache.append(token)
+                kept += 1
+                continue
+            work.next_token = token
+            if work.jump:
+                self._jump(slot, work, events)
+            break
+        if draft:
+            work.acceptance.observe(len(draft), kept)
+            self._counters["drafted"] += len(draft)
+            self._counters["accepted"] += kept
+        if decoded > len(slot.cache):
+            self._rewind(slot, work)
+
+    def _rewind(self, slot: Slot, work: Work) -> None:
+        """Drop a rejected draft's rows from the sequence's KV cache."""
+        n = len(slot.cache)
+        if self.runner.keep_prefix(slot.seq, n) == n:
+            return
+        # (can_rewind promised otherwise.) The cache is gone: the sequence cannot go on.
+        slot.cache = []
+        self.runner.keep_prefix(slot.seq, 0)
+        if slot.work is work:
+            self._fail_slot(slot, EngineFailure("The KV cache could not drop a rejected draft."))
+
+    def _jump(self, slot: Slot, work: Work, events: list[Event]) -> None:
+        """Jump-forward after ``work.next_token``: the tokens its grammar forces are
+        output now (text, stop strings and limits as for sampled ones) and decoded
+        with it in the next step, which then samples after the last of them."""
+        req = work.req
+        limit = self.runner.n_ctx_seq - len(slot.cache) - 2
+        limit = min(limit, max(1, self.runner.n_batch // (2 * len(self._slots))))
+        if req.max_tokens is not None:
+            limit = min(limit, req.max_tokens - work.generated)
+        forced = self.runner.force(work.sampler, limit)
+        for i, token in enumerate(forced):
+            self._counters["forced"] += 1
+            work.forced.append(token)
+            if self._take(slot, work, token, None, i + 1, events):
+                return
+
+    def _take(
+        self,
+        slot: Slot,
+        work: Work,
+        token: int,
+        row: int | None,
+        pending: int,
+        events: list[Event],
+    ) -> bool:
+        """One output token (sampled from ``row``, or forced): its text, its stop
+        strings and limits. True if it ended the sequence (the slot is then free).
+        ``pending``: tokens before it not decoded yet (forced ones after next_token)."""
         runner = self.runner
         req = work.req
-        token = runner.sample(work.sampler, row)
         work.generated += 1
         self._counters["generated"] += 1
+        if work.lookup is not None:
+            work.lookup.extend((token,))
         reason: FinishReason | None = None
         stop_hit: str | None = None
         if runner.is_eog(token) and not req.sampling.ignore_eos:
             reason = "stop"
         else:
-            lp = runner.logprobs(row, token, req.logprobs) if req.logprobs is not None else None
+            lp = None
+            if req.logprobs is not None and row is not None:
+                lp = runner.logprobs(row, token, req.logprobs)
             piece = runner.token_bytes(token, req.render_special)
             ready, stop_hit = work.text.feed_token(piece, lp)
             self._emit_text(work, ready, events)
             if stop_hit is not None:
                 reason = "stop"
             elif (req.max_tokens is not None and work.generated >= req.max_tokens) or (
-                len(slot.cache) + 1 >= runner.n_ctx_seq  # no room to decode this token
+                len(slot.cache) + pending + 1 >= runner.n_ctx_seq  # no room to decode it
             ):
                 reason = "length"
         if reason is None:
-            work.next_token = token
-            return
+            return False
         if stop_hit is None:
             self._emit_text(work, work.text.flush(), events)
         events.append(Finish(req.choice, reason, self._usage(work), stop_hit))
         self._free_slot(slot)
+        return True
 
     def _emit_text(self, work: Work, ready: Ready | None, events: list[Event]) -> None:
         if ready is None:
@@ -758,6 +905,9 @@ class Engine:
             prompt_cache_entries=len(self._cache),
             prompt_cache_bytes=self._cache.size_bytes,
             prompt_cache_hits=self._cache.hits,
+            drafted_tokens=self._counters["drafted"],
+            accepted_tokens=self._counters["accepted"],
+            forced_tokens=self._counters["forced"],
         )
 
 

@@ -168,11 +168,10 @@ class LlamaRunner(SamplingMixin):
         # last position still attends to: cut shorter, the window before the cut is
         # missing (measured on Gemma 3: logits off by up to 28 against a fresh prefill).
         # Recurrent states cannot be cut at all.
-        self.trim_after_restore = not (
-            int(L.llama_model_n_swa(model)) > 0
-            or L.llama_model_is_recurrent(model)
-            or L.llama_model_is_hybrid(model)
-        )
+        recurrent = bool(L.llama_model_is_recurrent(model) or L.llama_model_is_hybrid(model))
+        self.trim_after_restore = not (int(L.llama_model_n_swa(model)) > 0 or recurrent)
+        # A recurrent state cannot forget its last tokens: no speculation on it.
+        self.can_rewind = not recurrent
         # Sequences a move touched since the last decode. A move across KV streams
         # copies the cells' tensors only at the next decode (llama_memory_seq_cp), and
         # llama.cpp's state save/restore does not apply pending copies: a save would read
@@ -188,6 +187,7 @@ class LlamaRunner(SamplingMixin):
 
         self.grammar_checks = 0  # tokens checked against a grammar (tests, stats)
         self.grammar_rejections = 0  # of those, rejected: a full pass was needed
+        self.forced_tokens = 0  # tokens a grammar forced (jump-forward), not sampled
         self._rows: dict[int, int] | None = None  # batch row -> row of the last llama_decode
         self._piece_buf = ctypes.create_string_buffer(_PIECE_BUF)
         self._pieces: dict[int, bytes] = {}
@@ -494,7 +494,7 @@ class LlamaRunner(SamplingMixin):
         for e in entries:
             n = len(e.tokens)
             if e.logits_last or e.logits_all:
-                for k in range(n) if e.logits_all else (n - 1,):
+                for k in range(n) if e.logits_all else range(n - e.n_logits, n):
                     rows[old + k] = new + k
                 rest.append(e)
                 new += n
@@ -517,14 +517,16 @@ class LlamaRunner(SamplingMixin):
         for entry in entries:
             seq = entry.seq
             p = entry.pos0
-            last = len(entry.tokens) - 1
-            want_all = entry.logits_all
+            # Rows from ``first`` on have logits (the last, or a draft's).
+            first = len(entry.tokens) - entry.n_logits if entry.logits_last else len(entry.tokens)
+            if entry.logits_all:
+                first = 0
             for j, t in enumerate(entry.tokens):
                 token[i] = t
                 pos[i] = p + j
                 n_seq_id[i] = 1
                 seq_id[i][0] = seq
-                logits[i] = want_all or (j == last and entry.logits_last)
+                logits[i] = j >= first
                 i += 1
         batch.n_tokens = i
         rc = self._L.llama_decode(self._ctx, batch)

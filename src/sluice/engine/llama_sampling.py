@@ -101,6 +101,7 @@ class SamplingMixin:
     _grammars: Grammars
     grammar_checks: int
     grammar_rejections: int
+    forced_tokens: int
 
     def token_bytes(self, token: int, special: bool = False) -> bytes:
         raise NotImplementedError
@@ -233,6 +234,25 @@ class SamplingMixin:
         if scan is not None and scan.feed(self.token_bytes(token, special=True)) is not None:
             self._engage(sampler, scan.capture)
         return token
+
+    def force(self, sampler: Any, limit: int) -> list[int]:
+        """Jump-forward: the tokens the grammar allows as the only continuation
+        (llguidance's fast-forward tokens, which already leave out the last ones where
+        a longer vocabulary token could span the boundary), at most ``limit``, taken
+        by the grammar and by the chain (its penalties) as if sampled."""
+        gate = sampler.gate
+        if gate is None or limit <= 0:
+            return []
+        tokens: list[int] = gate.matcher.compute_ff_tokens()[:limit]
+        if not tokens:
+            return []
+        if not gate.matcher.consume_tokens(tokens):
+            return []  # (it offered them: not expected) the tokens are then not forced
+        if sampler.ptr is not None:
+            for token in tokens:
+                self._Q.llama_sampler_accept(sampler.ptr, token)
+        self.forced_tokens += len(tokens)
+        return tokens
 
     def _sample_gated(self, sampler: Chain, row: int) -> int:
         """Sample first, then ask the grammar about the chosen token only (as llama.cpp's

@@ -88,6 +88,7 @@ class ReplayRunner:
 
     dense_sequences = True
     trim_after_restore = True
+    can_rewind = True
     min_prefill_chunk = 1
 
     def __init__(
@@ -200,6 +201,9 @@ class ReplayRunner:
         token: int = sampler.script[sampler.pos]
         sampler.pos += 1
         return token
+
+    def force(self, sampler: Any, limit: int) -> list[int]:
+        return []  # no grammar runs here: the answers are recorded
 
     def logprobs(self, row: int, token: int, top_n: int) -> TokenLogprob:
         piece = self.token_bytes(token, special=True)

@@ -25,6 +25,7 @@ class BatchEntry:
     pos0: int
     logits_last: bool = True  # compute logits for the last token
     logits_all: bool = False  # compute logits for every token (echo + logprobs)
+    n_logits: int = 1  # with logits_last: logits for this many tokens at the end (a draft)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +86,9 @@ class ModelRunner(Protocol):
     # sliding-window attention: llama.cpp saves only the window's cells of those layers.
     trim_after_restore: bool
     control_texts: tuple[str, ...]  # texts of the control tokens (<|im_end|>, ...)
+    # keep_prefix can drop any suffix of a sequence's cache (not a recurrent model's):
+    # speculation drops the rows of a rejected draft.
+    can_rewind: bool
     # The smallest prompt chunk worth prefilling beside generating sequences: below
     # it the cost per token rises steeply (see scheduler.PrefillPacer). A chunk that
     # does not end its prompt is a multiple of it (a partial tile costs a whole one).
@@ -134,6 +138,11 @@ class ModelRunner(Protocol):
 
     def sample(self, sampler: Sampler, row: int) -> int:
         """Sample from the logits of batch row ``row`` of the last decode."""
+        ...
+
+    def force(self, sampler: Sampler, limit: int) -> list[int]:
+        """The tokens ``sampler``'s grammar allows as the only continuation (at most
+        ``limit``), taken by the grammar and the chain as if sampled; [] without one."""
         ...
 
     def logprobs(self, row: int, token: int, top_n: int) -> TokenLogprob: ...

@@ -33,12 +33,13 @@ class SlotView:
     admitted_at: int = 0  # admission order, breaks prefill ties
     paused: bool = False  # its client has not taken what it already has: skip it
     prefill_total: int = 0  # prompt tokens to prefill at admission (not cached)
+    decode_tokens: int = 1  # a generating slot's tokens: its next one and any forced after it
 
 
 @dataclass(frozen=True, slots=True)
 class Planned:
     seq: int
-    n_tokens: int  # 1 for a generating slot; a chunk size for a prefilling one
+    n_tokens: int  # a generating slot's decode_tokens; a chunk size for a prefilling one
     prefill: bool
     short: bool = False  # a short prompt prefilled whole (see plan_batch)
 
@@ -95,9 +96,13 @@ def plan_batch(
     shorts = [s for s in prefilling if is_short(s, short_prompt)]
     if not (shorts and decode_may_wait):
         for slot in slots:
-            if slot.state is SlotState.GENERATING and not slot.paused and budget > 0:
-                plan.append(Planned(slot.seq, 1, False))
-                budget -= 1
+            if (
+                slot.state is SlotState.GENERATING
+                and not slot.paused
+                and budget >= slot.decode_tokens
+            ):
+                plan.append(Planned(slot.seq, slot.decode_tokens, False))
+                budget -= slot.decode_tokens
     for slot in shorts:
         n = min(slot.prompt_remaining, budget)
         if n > 0:
@@ -202,10 +207,12 @@ class PrefillPacer:
         n_long: int = 0,
         n_short: int = 0,
         deferred: bool = False,
+        extra: bool = False,
     ) -> None:
         """Learn from one step: its wall time, its decode tokens, its prompt tokens (of
         long prompts' chunks and of short prompts), and whether a long prompt that could
-        have run sat it out."""
+        have run sat it out. ``extra``: a sequence decoded more than its next token (a
+        draft, forced tokens): the step is not a plain decode's measure."""
         if n_long:
             base: float | None = 0.0
             if n_short:
@@ -219,7 +226,7 @@ class PrefillPacer:
             if n_decode or n_short:  # a paced chunk: pay for it
                 self.credit -= spent
             return
-        if n_decode and not n_short:
+        if n_decode and not n_short and not extra:
             self._decode[n_decode] = self._ewma(self._decode.get(n_decode), seconds)
         if not deferred:
             self.credit = 0.0  # no long prompt waiting: nothing to carry over

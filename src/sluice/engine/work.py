@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from sluice.engine.prompt_cache import MIN_TOKENS
 from sluice.engine.runner import Sampler
+from sluice.engine.speculate import Acceptance, PromptLookup
 from sluice.engine.text import SequenceText, Utf8Assembler
 from sluice.engine.types import EngineRequest, EventSink, SlotState
 
@@ -30,6 +31,11 @@ class EngineConfig:
     # 0 turns the prompt cache off.
     cache_ram_bytes: int = 0
     cache_min_tokens: int = MIN_TOKENS  # shorter sequences are not saved
+    # Fewer decode steps (see speculate.py): the longest prompt-lookup draft (0: off),
+    # and tokens a grammar forces decoded without sampling. A request may lower or
+    # turn off either (SamplingParams.max_draft, .jump_forward).
+    max_draft: int = 16
+    jump_forward: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +56,9 @@ class EngineStats:
     prompt_cache_entries: int = 0  # saved prompt states in RAM
     prompt_cache_bytes: int = 0
     prompt_cache_hits: int = 0  # entries restored into a slot
+    drafted_tokens: int = 0  # prompt-lookup draft tokens decoded for verification
+    accepted_tokens: int = 0  # of those, kept (the sampler chose them)
+    forced_tokens: int = 0  # tokens a grammar forced, decoded without sampling
 
 
 @dataclass(slots=True)
@@ -71,6 +80,14 @@ class Work:
     t_first: float = 0.0
     echo_utf8: Utf8Assembler = field(default_factory=Utf8Assembler)
     paused: bool = False  # its sink's backlog went over the bound; left out of batches
+    # Fewer steps: tokens a grammar forced after next_token (already in the output,
+    # decoded with it), this step's draft, the draft source and its record.
+    forced: list[int] = field(default_factory=list)
+    draft: list[int] = field(default_factory=list)
+    lookup: PromptLookup | None = None
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    max_draft: int = 0
+    jump: bool = False
 
 
 @dataclass(slots=True)

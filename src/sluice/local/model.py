@@ -153,6 +153,8 @@ class LocalModel:
                 stream_buffer=settings.stream_buffer,
                 cache_ram_bytes=max(0, settings.cache_ram_mb) << 20,
                 prefill_budget=settings.prefill_budget,
+                max_draft=max(0, settings.max_draft),
+                jump_forward=settings.jump_forward,
             ),
         )
         info = runner.info
@@ -423,6 +425,7 @@ class LocalModel:
                 "prompt_tokens_processed": stats.prompt_tokens_processed,
                 "cached_tokens_reused": stats.cached_tokens,
             },
+            "decoding": self.decoding(),
             "prompt_cache": {  # KV states of earlier prompts in RAM (--cache-ram)
                 "entries": stats.prompt_cache_entries,
                 "bytes": stats.prompt_cache_bytes,
@@ -430,6 +433,20 @@ class LocalModel:
             },
             "embedding": self._embedding_health(),
             "grammar": self._grammar_health(),
+        }
+
+    def decoding(self) -> dict[str, Any]:
+        """Fewer decode steps: the settings and what they did (``/health``, ``/v1/info``)."""
+        stats = self.engine.stats
+        config = self.engine.config
+        drafted = stats.drafted_tokens
+        return {
+            "max_draft": config.max_draft if self.runner.can_rewind else 0,
+            "jump_forward": config.jump_forward,
+            "drafted_tokens": drafted,
+            "accepted_tokens": stats.accepted_tokens,
+            "acceptance": round(stats.accepted_tokens / drafted, 4) if drafted else None,
+            "forced_tokens": stats.forced_tokens,
         }
 
     def _grammar_health(self) -> dict[str, Any] | None:

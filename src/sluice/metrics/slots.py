@@ -58,7 +58,11 @@ class Metrics:
             buckets=DURATION_BUCKETS,
             registry=self.registry,
         )
+        # Each loaded local model's fewer-steps counters (drafted, accepted, forced tokens),
+        # read at scrape time; the server sets it (server/state.py).
+        self.decoding: Callable[[], Mapping[str, tuple[int, int, int]]] = dict
         self.registry.register(_SlotCollector(self._slots))
+        self.registry.register(_DecodingCollector(lambda: self.decoding()))
         self._by_key = Counter(
             "sluice_requests_by_key",
             "Requests that passed the API key check, by the key's name.",
@@ -364,6 +368,31 @@ class _SlotCollector(Collector):
             queued.add_metric([name], slot.queued)
             rate.add_metric([name], slot.tokens_per_second())
         return [info, requests, tokens, in_flight, queued, rate]
+
+
+class _DecodingCollector(Collector):
+    """Speculation and jump-forward, per loaded local model (their engines' counters)."""
+
+    def __init__(self, read: Callable[[], Mapping[str, tuple[int, int, int]]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterable[Metric]:
+        drafted = CounterMetricFamily(
+            "sluice_draft_tokens",
+            "Prompt-lookup draft tokens decoded for verification, by outcome (accepted: the "
+            "sampler chose them).",
+            labels=["slot", "outcome"],
+        )
+        forced = CounterMetricFamily(
+            "sluice_forced_tokens",
+            "Tokens a grammar forced, decoded without sampling (jump-forward).",
+            labels=["slot"],
+        )
+        for name, (n_drafted, n_accepted, n_forced) in self._read().items():
+            drafted.add_metric([name, "accepted"], n_accepted)
+            drafted.add_metric([name, "rejected"], n_drafted - n_accepted)
+            forced.add_metric([name], n_forced)
+        return [drafted, forced]
 
 
 def _nearest_rank(ranked: list[float], percent: int) -> float:

@@ -159,6 +159,21 @@ def build_state(
         allowed_hosts=settings.download_allowed_hosts,
     )
     meters = Metrics()
+
+    def decoding() -> dict[str, tuple[int, int, int]]:
+        out = {}
+        for status in registry.status():
+            model = registry.get_loaded(status.name)
+            stats = getattr(model, "stats", None)
+            if stats is not None:
+                out[status.name] = (
+                    stats.drafted_tokens,
+                    stats.accepted_tokens,
+                    stats.forced_tokens,
+                )
+        return out
+
+    meters.decoding = decoding
     upstreams = [
         UpstreamSlot(spec, UpstreamPool(spec), meters.slot(spec.name, "upstream"))
         for spec in (upstreams_of(config) if config is not None else [])

@@ -40,6 +40,13 @@ class StreamOptions(_Wire):
     continuous_usage_stats: bool = False
 
 
+class Speculative(_Wire):
+    """sluice's extension: fewer decode steps for this request (a local model)."""
+
+    max_draft: int | None = Field(default=None, ge=0, le=256)
+    jump_forward: bool | None = None
+
+
 class FunctionCall(_Wire):
     name: str
     arguments: str | dict[str, Any] = ""
@@ -87,6 +94,7 @@ class _SamplingFields(_Wire):
     n: int = Field(default=1, ge=1, le=16)
     user: str | None = None
     ignore_eos: bool = False
+    speculative: Speculative | None = None  # sluice's extension (docs/openai.md)
     # LM Studio's extension: seconds the model stays loaded once idle (just-in-time loads)
     ttl: float | None = Field(default=None, gt=0)
 
@@ -124,6 +132,8 @@ class _SamplingFields(_Wire):
             seed=_seed(self.seed),
             logit_bias=tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items()),
             ignore_eos=self.ignore_eos,
+            max_draft=self.speculative.max_draft if self.speculative else None,
+            jump_forward=self.speculative.jump_forward if self.speculative else None,
         )
 
     @property

@@ -1,0 +1,145 @@
+"""Prompt-lookup speculation: drafts from the text itself, and how long a draft pays.
+
+Agents make models copy: a file rewritten with one change, a patch that repeats its
+context, a quote. The next tokens are then very likely the ones that followed the
+same few tokens earlier in the prompt or the answer. :class:`PromptLookup` finds the
+longest recent n-gram (``NGRAM_MAX`` down to ``NGRAM_MIN`` tokens) that ends the text
+and occurred before, and drafts what followed it. The engine decodes the draft in the
+same step as the sequence's next token, with logits on every drafted row, samples
+each row in turn with the request's own sampler chain (grammar, penalties, seed) and
+keeps the drafted tokens up to the first one the sampler did not choose: the output
+is the one plain decoding gives (see ``Engine._verify``). The rejected rows leave the
+KV cache at once.
+
+A drafted row is not free: on this 2-core CPU it costs about half a decode step
+(measured with SmolLM2-135M: one extra row 1.56x the step, four 2.8x, eight 4.2x). A
+sequence's draft length is therefore chosen (:meth:`DraftPolicy.length`) to maximize
+the expected tokens per unit of time, from the sequence's own acceptance rate and
+the measured cost of a row; beside other sequences (whose KV streams make llama.cpp
+run the drafted rows as a graph of their own) a draft must pay for the step all of
+them wait, so a busy batch gets short drafts or none.
+
+Example::
+
+    lookup = PromptLookup(prompt_tokens)
+    lookup.extend([token])                 # every token of the answer, as it comes
+    draft = lookup.draft(8)                # [] when the text has no earlier match
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+NGRAM_MAX = 5  # the longest context matched: longer matches draft more reliably
+NGRAM_MIN = 3  # shorter contexts repeat by chance in prose (measured acceptance ~0.2)
+
+# Relative cost of drafted rows before the engine has measured it (SmolLM2-135M, 2
+# threads): a step with k more rows costs about 1 + ROW_FIXED + ROW_COST * k steps.
+ROW_FIXED = 0.10
+ROW_COST = 0.45
+# Beside other sequences the drafted rows are a graph run of their own (one sequence
+# of k rows), costing about that much more of a one-sequence step.
+GRAPH_FIXED = 0.5
+
+PRIOR = 0.7  # a sequence's acceptance rate before it has drafted
+LEARN = 0.3  # weight of a draft's outcome in the rate
+RECOVER = 0.02  # a step with a match but no draft moves the rate back toward PRIOR
+
+
+class PromptLookup:
+    """An index of a sequence's n-grams (prompt and answer) to the position after each."""
+
+    __slots__ = ("_index", "tokens")
+
+    def __init__(self, prompt: Sequence[int]) -> None:
+        self.tokens: list[int] = []
+        self._index: dict[tuple[int, ...], int] = {}
+        self.extend(prompt)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Append tokens; each n-gram that now has a token after it is indexed (the
+        latest occurrence wins: recent text is the likelier source)."""
+        hist = self.tokens
+        index = self._index
+        for token in tokens:
+            end = len(hist)  # the position the n-grams ending before ``token`` point at
+            for n in range(NGRAM_MIN, NGRAM_MAX + 1):
+                if end >= n:
+                    index[tuple(hist[end - n : end])] = end
+            hist.append(token)
+
+    def draft(self, k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the longest earlier occurrence of the text's
+        last n-gram; [] without one."""
+        if k <= 0:
+            return []
+        hist = self.tokens
+        end = len(hist)
+        for n in range(NGRAM_MAX, NGRAM_MIN - 1, -1):
+            if end < n:
+                continue
+            start = self._index.get(tuple(hist[end - n :]))
+            if start is not None and start < end:
+                return hist[start : min(start + k, end)]
+        return []
+
+
+@dataclass(slots=True)
+class Acceptance:
+    """One sequence's drafting record: the estimated chance that a drafted token is kept."""
+
+    rate: float = PRIOR
+    drafted: int = 0
+    accepted: int = 0
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """A draft of ``drafted`` tokens kept its first ``accepted``."""
+        self.drafted += drafted
+        self.accepted += accepted
+        # A run of m kept then one refused: m / (m + 1); all kept: at least that high.
+        seen = accepted / (accepted + 1) if accepted < drafted else drafted / (drafted + 0.5)
+        self.rate += LEARN * (seen - self.rate)
+
+    def idle(self) -> None:
+        """A match was found but not drafted: drift back toward the prior, so that a
+        sequence that stopped drafting tries again later."""
+        self.rate += RECOVER * (PRIOR - self.rate)
+
+
+class DraftPolicy:
+    """Chooses draft lengths from acceptance rates and the measured cost of a row."""
+
+    def __init__(self) -> None:
+        self.row_cost = ROW_COST  # of a one-sequence step, per drafted row (learned)
+
+    def observe(self, seconds: float, base: float | None, rows: int, sequences: int) -> None:
+        """A step of one sequence with ``rows`` drafted rows took ``seconds``; a plain
+        step takes ``base``: learn the cost of a row."""
+        if sequences != 1 or rows <= 0 or not base:
+            return
+        cost = (seconds / base - 1.0 - ROW_FIXED) / rows
+        self.row_cost += 0.1 * (min(max(cost, 0.01), 2.0) - self.row_cost)
+
+    def length(self, rate: float, limit: int, sequences: int, share: float) -> int:
+        """The draft length (0..``limit``) with the most expected tokens per time.
+
+        ``sequences`` decode in the step; ``share`` is a one-sequence step's time over
+        this step's (how much of the step a drafted graph run adds). With one sequence
+        the choice maximizes (1 + E[kept]) / (1 + fixed + cost * k); beside others, the
+        step's (sequences + E[kept]) / (1 + share * (graph + fixed + cost * k))."""
+        if limit <= 0 or rate <= 0.0:
+            return 0
+        best, best_k = 0.0, 0
+        kept = 0.0
+        p = 1.0
+        fixed = ROW_FIXED if sequences == 1 else share * (GRAPH_FIXED + ROW_FIXED)
+        scale = 1.0 if sequences == 1 else share
+        for k in range(1, limit + 1):
+            p *= rate
+            kept += p
+            value = (sequences + kept) / (1.0 + fixed + scale * self.row_cost * k)
+            if value > best:
+                best, best_k = value, k
+        # A gain within noise is not worth the rows.
+        return best_k if best > sequences * 1.02 else 0
