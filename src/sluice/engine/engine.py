@@ -575,8 +575,6 @@ class Engine:
             else:
                 n_long += p.n_tokens
         seconds = time.perf_counter() - started
-        if extra and not n_long and not n_short:
-            self._drafts.observe(seconds, pacer.decode_seconds(n_decoded), extra, n_decoded)
         pacer.observe(seconds, n_decoded, n_long, n_short, waited, extra=extra > 0)
         return True
 

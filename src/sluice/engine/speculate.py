@@ -36,15 +36,17 @@ NGRAM_MIN = 3  # shorter contexts repeat by chance in prose (measured acceptance
 
 # Relative cost of drafted rows before the engine has measured it (SmolLM2-135M, 2
 # threads): a step with k more rows costs about 1 + ROW_FIXED + ROW_COST * k steps.
-ROW_FIXED = 0.10
-ROW_COST = 0.45
+ROW_FIXED = 0.15
+ROW_COST = 0.40
 # Beside other sequences the drafted rows are a graph run of their own (one sequence
 # of k rows), costing about that much more of a one-sequence step.
 GRAPH_FIXED = 0.5
 
-PRIOR = 0.7  # a sequence's acceptance rate before it has drafted
-LEARN = 0.3  # weight of a draft's outcome in the rate
-RECOVER = 0.02  # a step with a match but no draft moves the rate back toward PRIOR
+PRIOR = 0.7  # a drafted token's chance to be kept, before the sequence has drafted
+PRIOR_WEIGHT = 1.0  # the prior counts as this many drafted tokens
+DECAY = 0.9  # each token verified since weighs an outcome by this much less
+REFUSED_DECAY = 0.6  # and a refused one much less still: a copy that ends shows at once
+RECOVER = 0.98  # a step with a match but no draft: the record fades toward the prior
 
 
 class PromptLookup:
@@ -80,46 +82,60 @@ class PromptLookup:
             if end < n:
                 continue
             start = self._index.get(tuple(hist[end - n :]))
-            if start is not None and start < end:
-                return hist[start : min(start + k, end)]
+            if start is None:
+                continue
+            draft = hist[start : min(start + k, end)]
+            # A repeat that runs into the end continues with its own draft (a loop
+            # of period end - start drafts past one period).
+            while len(draft) < k:
+                draft.append(draft[len(draft) - (end - start)])
+            return draft
         return []
 
 
 @dataclass(slots=True)
 class Acceptance:
-    """One sequence's drafting record: the estimated chance that a drafted token is kept."""
+    """One sequence's drafting record: the chance that a drafted token is kept,
+    estimated from recent drafts (each kept token a success, the refused one that ends
+    a draft a failure), weighted toward the newest and starting from the prior."""
 
-    rate: float = PRIOR
-    drafted: int = 0
+    kept: float = 0.0  # decayed counts
+    refused: float = 0.0
+    drafted: int = 0  # totals
     accepted: int = 0
+
+    @property
+    def rate(self) -> float:
+        return (self.kept + PRIOR * PRIOR_WEIGHT) / (self.kept + self.refused + PRIOR_WEIGHT)
 
     def observe(self, drafted: int, accepted: int) -> None:
         """A draft of ``drafted`` tokens kept its first ``accepted``."""
         self.drafted += drafted
         self.accepted += accepted
-        # A run of m kept then one refused: m / (m + 1); all kept: at least that high.
-        seen = accepted / (accepted + 1) if accepted < drafted else drafted / (drafted + 0.5)
-        self.rate += LEARN * (seen - self.rate)
+        # Token by token, each outcome fading the older ones: the newest count most, so
+        # a copy that ends shows within a few drafts.
+        for _ in range(accepted):
+            self.kept = self.kept * DECAY + 1.0
+            self.refused *= DECAY
+        if accepted < drafted:
+            self.kept *= REFUSED_DECAY
+            self.refused = self.refused * DECAY + 1.0
 
     def idle(self) -> None:
-        """A match was found but not drafted: drift back toward the prior, so that a
-        sequence that stopped drafting tries again later."""
-        self.rate += RECOVER * (PRIOR - self.rate)
+        """A match was found but not drafted: the record fades toward the prior, so
+        that a sequence that stopped drafting tries again later."""
+        self.kept *= RECOVER
+        self.refused *= RECOVER
 
 
 class DraftPolicy:
     """Chooses draft lengths from acceptance rates and the measured cost of a row."""
 
-    def __init__(self) -> None:
-        self.row_cost = ROW_COST  # of a one-sequence step, per drafted row (learned)
-
-    def observe(self, seconds: float, base: float | None, rows: int, sequences: int) -> None:
-        """A step of one sequence with ``rows`` drafted rows took ``seconds``; a plain
-        step takes ``base``: learn the cost of a row."""
-        if sequences != 1 or rows <= 0 or not base:
-            return
-        cost = (seconds / base - 1.0 - ROW_FIXED) / rows
-        self.row_cost += 0.1 * (min(max(cost, 0.01), 2.0) - self.row_cost)
+    def __init__(self, row_cost: float = ROW_COST) -> None:
+        # Of a one-sequence step, per drafted row. Not learned from the steps: a step's
+        # time varies by more than a row's cost on a shared machine, and an estimate
+        # driven high by noise would stop the drafts that could correct it.
+        self.row_cost = row_cost
 
     def length(self, rate: float, limit: int, sequences: int, share: float) -> int:
         """The draft length (0..``limit``) with the most expected tokens per time.
