@@ -21,8 +21,10 @@ pytestmark = pytest.mark.integration
 PROMPTS = [
     "Repeat this sentence three times: the cat sat on the mat and looked at the hat.",
     "List the days of the week, then list them again in the same order.",
-    "Copy this text exactly: Alice was beginning to get very tired of sitting by her "
-    "sister on the bank, and of having nothing to do.",
+    (
+        "Copy this text exactly: Alice was beginning to get very tired of sitting by her "
+        "sister on the bank, and of having nothing to do."
+    ),
     "Write the numbers from one to twenty in words, separated by commas.",
 ]
 

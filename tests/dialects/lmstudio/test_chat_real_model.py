@@ -189,6 +189,7 @@ def test_the_model_calls_an_mcp_tool_through_the_server(base: str, mcp_url: str,
         "integrations": [integration],
         "tool_choice": "required",
         "max_output_tokens": 48,
+        "temperature": 0,  # greedy: the streamed and whole answers below are compared
     }
     evs = events(base, **request)
     names = shape(evs)
@@ -225,9 +226,13 @@ def test_the_model_calls_an_mcp_tool_through_the_server(base: str, mcp_url: str,
     }  # fmt: skip
     # Two rounds: their output tokens add up.
     assert result["stats"]["total_output_tokens"] > 0
-    # Not streamed: the same rounds, the same body.
+    # Not streamed: the same rounds, the same body as streamed again now. (Not as the
+    # first run: that one prefilled the prompt, later ones find it cached and decode its
+    # last token alone, whose logits llama.cpp rounds differently: at a near tie, say
+    # "}" then a forced "}" against "}}", the same text comes in other tokens.)
     body = chat(base, **request).json()
-    assert without_timing(body) == without_timing(result)
+    again = events(base, **request)[-1][1]["result"]
+    assert without_timing(body) == without_timing(again)
 
 
 def test_follow_ups_continue_any_stored_response(base: str) -> None:
