@@ -1,10 +1,12 @@
 """Jump-forward and prompt-lookup speculation on the real SmolLM2 (the session server):
-the same greedy answers with speculation on and off (stop strings, penalties, a grammar,
-n > 1), and valid objects of a key-heavy schema with jump-forward over many seeds.
+the same greedy answers with speculation on and off (stop strings, penalties, a grammar),
+and valid objects of a key-heavy schema with jump-forward over many seeds.
 
 Identity holds while a sequence's KV cache stays under 512 cells: past that llama.cpp's
 CPU attention decodes a single row with the KV split over the threads, which rounds
-differently from the multi-row kernel that verifies a draft (docs/speculation.md)."""
+differently from the multi-row kernel that verifies a draft (docs/speculation.md). For
+the same reason n > 1 is tested on the scripted runner (test_fewer_steps.py): each choice
+takes its own slot, and which cached prompt state a slot holds changes the rounding."""
 
 from __future__ import annotations
 
@@ -70,7 +72,6 @@ def test_greedy_answers_are_the_same_with_speculation(base: str) -> None:
     [
         {"stop": [" hat", "Sunday"]},
         {"repeat_penalty": 1.15, "frequency_penalty": 0.3},
-        {"n": 2},
         {
             "response_format": {
                 "type": "json_schema",
@@ -85,16 +86,14 @@ def test_greedy_answers_are_the_same_with_speculation(base: str) -> None:
             }
         },
     ],
-    ids=["stop", "penalties", "n2", "grammar"],
+    ids=["stop", "penalties", "grammar"],
 )
 def test_the_same_with_stop_strings_penalties_choices_and_a_grammar(
     base: str, extra: dict[str, Any]
 ) -> None:
     wait_idle(base, within=10)
     for content in PROMPTS[:2]:
-        answers = same_both_ways(base, content, max_tokens=120, **extra)
-        if "n" in extra:
-            assert answers[0] == answers[1]  # greedy: both choices alike
+        same_both_ways(base, content, max_tokens=120, **extra)
 
 
 NAMES = [

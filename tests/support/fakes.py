@@ -88,7 +88,9 @@ class ScriptedRunner:
     trim_after_restore: bool = True  # False: like a sliding-window model's saved state
     control_texts: tuple[str, ...] = ("<|im_start|>", "<|im_end|>")
     min_prefill_chunk: int = 1
-    can_rewind: bool = True  # keep_prefix drops any suffix (speculation's rejected rows)
+    # keep_prefix drops any suffix, so the engine may speculate: off by default, so that a
+    # long scripted answer (``[b"w"] * 1000``) takes a step a token, as timing tests expect
+    can_rewind: bool = False
     state_bytes_per_token: int = 4  # size of a saved state, like a real KV's (>= 4)
     embedders: list[FakeEmbedder] = field(default_factory=list)  # made by new_embedder
     embed_delay: float = 0.0  # seconds each embedding decode takes

@@ -80,6 +80,9 @@ _PAUSED_POLL = 0.1
 # prepared (Engine.expect), so that a burst prefills in one step (see _gather).
 _GATHER_SECONDS = 0.025
 
+# A sequence whose client has more undelivered steps than this drafts nothing.
+_DRAFT_BACKLOG = 2
+
 
 class Arrival:
     """A request on its way to :meth:`Engine.submit` (template, tokens, sampler).
@@ -588,13 +591,15 @@ class Engine:
         room = n_batch - sum(p.n_tokens for p in plan)
         share = 1.0
         if len(decoding) > 1:
-            one, many = self._pacer.decode_seconds(1), self._pacer.decode_seconds(len(decoding))
+            one, many = self._pacer.measured(1), self._pacer.measured(len(decoding))
             share = one / many if one and many else len(decoding) ** -0.5
         for p in decoding:
             work = self._slots[p.seq].work
             assert work is not None
             lookup = work.lookup
-            if lookup is None or room <= 0:
+            # A client already behind gains nothing from a faster stream (and its
+            # backpressure bound counts steps: drafts would put more tokens in each).
+            if lookup is None or room <= 0 or work.sink.backlog() > _DRAFT_BACKLOG:
                 continue
             cache = len(self._slots[p.seq].cache)
             limit = min(work.max_draft, room, self.runner.n_ctx_seq - cache - p.n_tokens - 1)
@@ -605,7 +610,7 @@ class Engine:
                 continue
             k = self._drafts.length(work.acceptance.rate, len(draft), len(decoding), share)
             if k == 0:
-                work.acceptance.idle()
+                work.shadow = draft[0]  # checked against the token this step samples
                 continue
             work.draft = draft[:k]
             room -= k
@@ -714,6 +719,9 @@ class Engine:
                 slot.cache.append(token)
                 kept += 1
                 continue
+            if work.shadow is not None:
+                work.acceptance.shadow(token == work.shadow)
+                work.shadow = None
             work.next_token = token
             if work.jump:
                 self._jump(slot, work, events)

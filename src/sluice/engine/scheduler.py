@@ -196,6 +196,10 @@ class PrefillPacer:
         nearest = min(self._decode, key=lambda n: (abs(n - n_decode), n))
         return self._decode[nearest]
 
+    def measured(self, n_decode: int) -> float | None:
+        """The decode-only step time for exactly ``n_decode`` sequences, if measured."""
+        return self._decode.get(n_decode)
+
     @property
     def seconds_per_token(self) -> float | None:
         return self._per_token

@@ -46,7 +46,6 @@ PRIOR = 0.7  # a drafted token's chance to be kept, before the sequence has draf
 PRIOR_WEIGHT = 1.0  # the prior counts as this many drafted tokens
 DECAY = 0.9  # each token verified since weighs an outcome by this much less
 REFUSED_DECAY = 0.6  # and a refused one much less still: a copy that ends shows at once
-RECOVER = 0.98  # a step with a match but no draft: the record fades toward the prior
 
 
 class PromptLookup:
@@ -121,11 +120,17 @@ class Acceptance:
             self.kept *= REFUSED_DECAY
             self.refused = self.refused * DECAY + 1.0
 
-    def idle(self) -> None:
-        """A match was found but not drafted: the record fades toward the prior, so
-        that a sequence that stopped drafting tries again later."""
-        self.kept *= RECOVER
-        self.refused *= RECOVER
+    def shadow(self, kept: bool) -> None:
+        """A step that did not draft: whether the token it sampled is the one the lookup
+        would have drafted first. The record keeps learning without paying for rows, so
+        a sequence that stopped drafting (or never could, beside others) starts when its
+        text turns to copying."""
+        if kept:
+            self.kept = self.kept * DECAY + 1.0
+            self.refused *= DECAY
+        else:
+            self.kept *= REFUSED_DECAY
+            self.refused = self.refused * DECAY + 1.0
 
 
 class DraftPolicy:

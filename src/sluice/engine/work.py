@@ -86,6 +86,7 @@ class Work:
     draft: list[int] = field(default_factory=list)
     lookup: PromptLookup | None = None
     acceptance: Acceptance = field(default_factory=Acceptance)
+    shadow: int | None = None  # the token a draft would have started with, not drafted
     max_draft: int = 0
     jump: bool = False
 
