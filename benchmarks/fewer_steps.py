@@ -208,6 +208,16 @@ def start(args: argparse.Namespace, tmp: Path) -> dict[str, Server]:
     return servers
 
 
+def decoding(server: Server) -> dict[str, int]:
+    """sluice's fewer-steps counters (drafted, accepted, forced tokens); {} for others."""
+    if isinstance(server, LlamaServer):
+        return {}
+    health = server.health()
+    found = health.get("models", {}).get(health.get("model"), {}).get("decoding") or {}
+    keys = ("drafted_tokens", "accepted_tokens", "forced_tokens")
+    return {k: int(found.get(k) or 0) for k in keys}
+
+
 def server_of(servers: dict[str, Server], side: str) -> Server:
     return servers["sluice" if side.startswith("sluice") else side]
 
@@ -229,6 +239,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             server = server_of(servers, side)
                             reqs = bodies.make(workload, side, level, args.rewrite_tokens)
                             server.wait_idle(timeout=300)
+                            counters = decoding(server)
                             res, during, before = noise.run(
                                 partial(measure, server, reqs),
                                 args.quiet,
@@ -241,13 +252,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 "side": side,
                                 "noise": during,
                                 "noise_before": before,
+                                "decoding": {
+                                    k: decoding(server).get(k, 0) - v for k, v in counters.items()
+                                },
                             }
                             results.append(res)
                             print(
                                 f"round {rnd} {workload:7s} x{level} {side:12s} "
                                 f"wall {res['wall_s']:6.2f}s tokens {sum(res['tokens']):5d} "
                                 f"agg {res['agg_tok_s'] or 0:6.1f} tok/s "
-                                f"decode {med([d for d in res['decode_chars_s'] if d]) if any(res['decode_chars_s']) else 0:6.0f} chars/s",
+                                f"decode {med([d for d in res['decode_chars_s'] if d]) if any(res['decode_chars_s']) else 0:6.0f} chars/s "
+                                f"{res['decoding'] or ''}",
                                 flush=True,
                             )
             health = servers["sluice"].health()
@@ -256,7 +271,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 s.close()
     return {
         "results": results,
-        "decoding": health.get("models", {}).get("smollm2", {}).get("decoding"),
+        "decoding": health.get("models", {}).get(health.get("model"), {}).get("decoding"),
     }
 
 
@@ -394,8 +409,7 @@ def main() -> None:
         print(f"target {name}: {'met' if ok else 'NOT met'}")
     for c in checks:
         print("check:", c)
-    path = save_report(args.out_dir, f"fewer-steps-{stamp(started)}", doc, md)
-    print(f"wrote {path}.json and .md")
+    save_report(args.out_dir, f"fewer-steps-{stamp(started)}", doc, md)
 
 
 if __name__ == "__main__":

@@ -200,6 +200,19 @@ def test_lookup_prefers_the_longest_and_latest_match_and_extends_a_loop() -> Non
     assert PromptLookup([1, 2, 1, 2]).draft(4) == []  # two tokens are not a match
 
 
+def test_a_copy_keeps_to_its_source() -> None:
+    """Copying the first line, the answer reaches "1 2 3", which the second line has
+    more recently: the draft goes on from the first line, where the copy is."""
+    lookup = PromptLookup([10, 11, 12, 1, 2, 3, 4, 5, 20, 21, 1, 2, 3, 6, 6])
+    lookup.extend([10, 11, 12])
+    assert lookup.draft(3) == [1, 2, 3]
+    lookup.extend([1, 2, 3])
+    assert lookup.draft(3) == [4, 5, 20]
+    lookup.extend([7])  # the answer leaves the copy: the latest match again
+    lookup.extend([1, 2, 3])
+    assert lookup.draft(2) == [6, 6]
+
+
 def test_acceptance_follows_the_drafts_and_recovers() -> None:
     policy = DraftPolicy()
     record = Acceptance()

@@ -49,47 +49,62 @@ REFUSED_DECAY = 0.6  # and a refused one much less still: a copy that ends shows
 
 
 class PromptLookup:
-    """An index of a sequence's n-grams (prompt and answer) to the position after each."""
+    """An index of a sequence's n-grams (prompt and answer) to the position after each,
+    and where the text is copying from now.
 
-    __slots__ = ("_index", "tokens")
+    A copy keeps to its source: once a draft came from position ``s`` and the answer
+    went on as the text there did, the next draft continues from the same place (the
+    ``cursor``), not from the latest occurrence of the last few tokens, which in code
+    (a repeated ``self.``, a closing bracket) is often another line."""
+
+    __slots__ = ("_index", "cursor", "tokens")
 
     def __init__(self, prompt: Sequence[int]) -> None:
         self.tokens: list[int] = []
         self._index: dict[tuple[int, ...], int] = {}
+        self.cursor: int | None = None  # the source position of the next token, if copying
         self.extend(prompt)
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Append tokens; each n-gram that now has a token after it is indexed (the
-        latest occurrence wins: recent text is the likelier source)."""
+        latest occurrence wins: recent text is the likelier source). A token that is
+        not the one at the cursor ends the copy."""
         hist = self.tokens
         index = self._index
         for token in tokens:
             end = len(hist)  # the position the n-grams ending before ``token`` point at
+            cursor = self.cursor
+            if cursor is not None:
+                self.cursor = cursor + 1 if cursor < end and hist[cursor] == token else None
             for n in range(NGRAM_MIN, NGRAM_MAX + 1):
                 if end >= n:
                     index[tuple(hist[end - n : end])] = end
             hist.append(token)
 
     def draft(self, k: int) -> list[int]:
-        """Up to ``k`` tokens that followed the longest earlier occurrence of the text's
-        last n-gram; [] without one."""
+        """Up to ``k`` tokens: what follows the copy's source, else what followed the
+        longest earlier occurrence of the text's last n-gram; [] without one."""
         if k <= 0:
             return []
         hist = self.tokens
         end = len(hist)
-        for n in range(NGRAM_MAX, NGRAM_MIN - 1, -1):
-            if end < n:
-                continue
-            start = self._index.get(tuple(hist[end - n :]))
+        start = self.cursor
+        if start is None or start >= end:
+            start = None
+            for n in range(NGRAM_MAX, NGRAM_MIN - 1, -1):
+                if end >= n:
+                    start = self._index.get(tuple(hist[end - n :]))
+                    if start is not None:
+                        break
             if start is None:
-                continue
-            draft = hist[start : min(start + k, end)]
-            # A repeat that runs into the end continues with its own draft (a loop
-            # of period end - start drafts past one period).
-            while len(draft) < k:
-                draft.append(draft[len(draft) - (end - start)])
-            return draft
-        return []
+                return []
+            self.cursor = start
+        draft = hist[start : min(start + k, end)]
+        # A repeat that runs into the end continues with its own draft (a loop of
+        # period end - start drafts past one period).
+        while len(draft) < k:
+            draft.append(draft[len(draft) - (end - start)])
+        return draft
 
 
 @dataclass(slots=True)
