@@ -208,9 +208,10 @@ def test_a_copy_keeps_to_its_source() -> None:
     assert lookup.draft(3) == [1, 2, 3]
     lookup.extend([1, 2, 3])
     assert lookup.draft(3) == [4, 5, 20]
-    lookup.extend([7])  # the answer leaves the copy: the latest match again
+    lookup.extend([7])  # the answer leaves the copy
+    assert lookup.cursor is None
     lookup.extend([1, 2, 3])
-    assert lookup.draft(2) == [6, 6]
+    assert lookup.draft(2) == [7, 1]  # the latest match again: the answer's own "1 2 3 7"
 
 
 def test_acceptance_follows_the_drafts_and_recovers() -> None:
