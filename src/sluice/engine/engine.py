@@ -678,19 +678,18 @@ class Engine:
             self._verify(slot, work, draft, row, entry.pos0 + len(entry.tokens), events)
             return
         slot.cache.extend(entry.tokens)
-        if p.prefill:
-            if entry.logits_all:
-                events.append(self._echo_logprobs(work, entry, row - len(entry.tokens) + 1))
-            work.prompt_done += p.n_tokens
-            self._counters["prompt"] += p.n_tokens
-            total = len(work.req.prompt_tokens)
-            events.append(
-                Progress(work.req.choice, "prompt_processing", work.prompt_done, total, work.cached)
-            )
-            if work.prompt_done < total:
-                return
-            slot.state = SlotState.GENERATING
-            work.t_first = time.monotonic()
+        if entry.logits_all:
+            events.append(self._echo_logprobs(work, entry, row - len(entry.tokens) + 1))
+        work.prompt_done += p.n_tokens
+        self._counters["prompt"] += p.n_tokens
+        total = len(work.req.prompt_tokens)
+        events.append(
+            Progress(work.req.choice, "prompt_processing", work.prompt_done, total, work.cached)
+        )
+        if work.prompt_done < total:
+            return
+        slot.state = SlotState.GENERATING
+        work.t_first = time.monotonic()
         self._verify(slot, work, [], row, len(slot.cache), events)
 
     def _verify(

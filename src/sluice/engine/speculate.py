@@ -115,8 +115,6 @@ class Acceptance:
 
     kept: float = 0.0  # decayed counts
     refused: float = 0.0
-    drafted: int = 0  # totals
-    accepted: int = 0
 
     @property
     def rate(self) -> float:
@@ -124,8 +122,6 @@ class Acceptance:
 
     def observe(self, drafted: int, accepted: int) -> None:
         """A draft of ``drafted`` tokens kept its first ``accepted``."""
-        self.drafted += drafted
-        self.accepted += accepted
         # Token by token, each outcome fading the older ones: the newest count most, so
         # a copy that ends shows within a few drafts.
         for _ in range(accepted):
