@@ -68,6 +68,12 @@ def test_every_setting_is_an_environment_variable(f: Field[Any]) -> None:
     assert getattr(Settings.from_env({env_var(f): text}), name) == parsed
 
 
+def test_an_environment_variable_outside_the_choices_is_refused() -> None:
+    with pytest.raises(ValueError, match="SLUICE_FLASH_ATTN='fast' is not one of auto, on, off"):
+        Settings.from_env({"SLUICE_FLASH_ATTN": "fast"})
+    assert Settings.from_env({"SLUICE_FLASH_ATTN": "on"}).flash_attn == "on"
+
+
 def test_a_flag_wins_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SLUICE_PORT", "9000")
     monkeypatch.setenv("SLUICE_CTX", "1024")

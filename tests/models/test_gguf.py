@@ -223,7 +223,8 @@ def test_kv_cache_matches_llama_cpp(smollm2: GgufInfo, gemma: GgufInfo) -> None:
 def test_estimate_parts(smollm2: GgufInfo) -> None:
     base = memory_estimate(smollm2, ctx_per_seq=512, parallel=2, batch=512)
     assert base.weights == smollm2.file_size  # Q4_1: nothing the CPU backend repacks
-    assert estimate_memory(smollm2, ctx_per_seq=512, parallel=2, batch=512) == base.total
+    fused = estimate_memory(smollm2, ctx_per_seq=512, parallel=2, batch=512, flash_attn="on")
+    assert fused == base.total
     logits = memory_estimate(smollm2, ctx_per_seq=512, parallel=2, batch=512, all_logits=True)
     assert logits.compute - base.compute == 2 * 49152 * (512 - 2) * 4
     offloaded = memory_estimate(smollm2, ctx_per_seq=512, parallel=2, batch=512, gpu_layers=10)
@@ -233,6 +234,18 @@ def test_estimate_parts(smollm2: GgufInfo) -> None:
     assert every.kv_cache == 0
     with pytest.raises(ValueError):
         memory_estimate(smollm2, ctx_per_seq=0, parallel=1, batch=512)
+
+
+def test_unfused_attention_adds_a_batch_of_scores(smollm2: GgufInfo) -> None:
+    fused = memory_estimate(smollm2, ctx_per_seq=1000, parallel=2, batch=512)
+    plain = memory_estimate(
+        smollm2, ctx_per_seq=1000, parallel=2, batch=512, unfused_attention=True
+    )
+    assert plain.compute - fused.compute == 2 * 4 * 9 * 1024 * 512  # 9 heads, 1024 cells
+    # "auto" on the CPU is unfused at this size, "on" is not.
+    assert estimate_memory(smollm2, ctx_per_seq=1000, parallel=2, batch=512) == plain.total
+    on = estimate_memory(smollm2, ctx_per_seq=1000, parallel=2, batch=512, flash_attn="on")
+    assert on == fused.total
 
 
 def test_repacked_weights_counted_twice(gemma: GgufInfo) -> None:

@@ -30,6 +30,7 @@ import numpy as np
 
 from sluice.core.errors import ModelLoadFailed
 from sluice.core.request import SamplerDefaults
+from sluice.engine.attention import unfused
 from sluice.engine.llama_sampling import TOKEN_DATA, SamplingMixin, token_data_array
 from sluice.engine.llama_vocab import control_ids
 from sluice.engine.llg_gate import Grammars
@@ -51,6 +52,7 @@ _PIECE_BUF = 256  # bytes: token_bytes's buffer (a longer piece comes out empty)
 # a last partial tile to a whole one: 140 rows cost what 192 do (measured, 2,000 tokens
 # in, 1 thread: 1310 ms vs 1070 for 128), so chunks are whole tiles.
 _FA_TILE_Q = 64
+_KV_PAD = 256  # llama.cpp rounds each sequence's cells up to a multiple of this
 
 
 def _llama() -> Any:
@@ -138,7 +140,22 @@ class LlamaRunnerConfig:
     n_batch: int = 512
     n_threads: int = 0  # 0: all cores
     n_gpu_layers: int = 0  # layers offloaded to a GPU (needs a GPU build of llama.cpp)
+    flash_attn: str = "auto"  # "on", "off", or "auto" (see engine.attention)
     chat_template: str | None = None  # overrides the GGUF's own
+
+
+def _flash_attn_type(L: Any, config: LlamaRunnerConfig, model: Any) -> int:
+    """llama.cpp's ``flash_attn_type`` for ``config.flash_attn`` (see engine.attention)."""
+    cells = -(-config.n_ctx // _KV_PAD) * _KV_PAD
+    on_gpu = config.n_gpu_layers != 0 and gpu_offload_supported()
+    n_head = int(L.llama_model_n_head(model))
+    if unfused(
+        config.flash_attn, on_gpu=on_gpu, n_head=n_head, cells_seq=cells, batch=config.n_batch
+    ):
+        return int(L.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+    if config.flash_attn == "on":
+        return int(L.LLAMA_FLASH_ATTN_TYPE_ENABLED)
+    return int(L.LLAMA_FLASH_ATTN_TYPE_AUTO)
 
 
 def _c_bytes(data: bytearray) -> Any:
@@ -164,6 +181,7 @@ class LlamaRunner(SamplingMixin):
         self.n_batch = int(L.llama_n_batch(ctx))
         self.dense_sequences = True  # per-sequence KV streams: see Engine._compact
         self.min_prefill_chunk = _FA_TILE_Q
+        self.unfused_attention = False  # flash attention off (set by load)
         # A sequence's saved state holds, for sliding-window layers, only the cells its
         # last position still attends to: cut shorter, the window before the cut is
         # missing (measured on Gemma 3: logits off by up to 28 against a fresh prefill).
@@ -252,6 +270,7 @@ class LlamaRunner(SamplingMixin):
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
         cparams.kv_unified = False
+        cparams.flash_attn_type = fa_type = _flash_attn_type(L, config, model)
         cparams.no_perf = True
         ctx = L.llama_init_from_model(model, cparams)
         if not ctx:
@@ -259,12 +278,15 @@ class LlamaRunner(SamplingMixin):
             raise ModelLoadFailed("llama.cpp could not create a context (out of memory?)")
         context_made = time.perf_counter()
         runner = cls(config, model, ctx)
+        runner.unfused_attention = fa_type == int(L.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         log.info(
-            "loaded %s: model %.3f s, context %.3f s, vocabulary tables %.3f s",
+            "loaded %s: model %.3f s, context %.3f s, vocabulary tables %.3f s; "
+            "flash attention %s",
             config.model_id or path.stem,
             model_loaded - started,
             context_made - model_loaded,
             time.perf_counter() - context_made,
+            "off" if runner.unfused_attention else "on" if config.flash_attn == "on" else "auto",
         )
         if progress is not None:
             progress(1.0)

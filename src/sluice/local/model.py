@@ -56,6 +56,7 @@ class ModelSettings:
     batch: int
     threads: int
     gpu_layers: int
+    flash_attn: str
     chat_template: str | None
     tool_format: str | None
     sampling: tuple[tuple[str, float], ...] = ()  # the config entry's default sampling
@@ -71,6 +72,7 @@ class ModelSettings:
             batch=settings.batch,
             threads=pick(spec.threads, settings.threads),
             gpu_layers=pick(spec.gpu_layers, settings.gpu_layers),
+            flash_attn=settings.flash_attn,
             chat_template=spec.chat_template or settings.chat_template,
             tool_format=spec.tool_format or settings.tool_format,
             sampling=spec.sampling,
@@ -223,6 +225,7 @@ class LocalModel:
                 n_batch=ms.batch,
                 n_threads=ms.threads,
                 n_gpu_layers=ms.gpu_layers,
+                flash_attn=ms.flash_attn,
                 chat_template=template,
             ),
             progress,

@@ -34,6 +34,7 @@ from pathlib import Path
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 
 from sluice.core.request import SamplerDefaults
+from sluice.engine.attention import scores_bytes, unfused
 
 _MAGIC = b"GGUF"
 _STRING, _ARRAY = 8, 9
@@ -485,6 +486,7 @@ def memory_estimate(
     batch: int,
     gpu_layers: int = 0,
     all_logits: bool = False,
+    unfused_attention: bool = False,
 ) -> MemoryEstimate:
     """Host RAM a load with these settings needs, by part; an upper bound.
 
@@ -496,6 +498,8 @@ def memory_estimate(
     count a batch with logits for every token (echo with logprobs), which makes
     llama.cpp touch its whole logits buffer and grow its output buffer to match:
     ``2 * n_vocab * batch * 4`` bytes (1 GiB for Gemma 3 at batch 512).
+    ``unfused_attention``: flash attention off (see :mod:`sluice.engine.attention`),
+    which adds a batch's attention scores at a full context.
     """
     if min(ctx_per_seq, parallel, batch) < 1:
         raise ValueError("ctx_per_seq, parallel and batch must be positive")
@@ -508,17 +512,37 @@ def memory_estimate(
     return MemoryEstimate(
         weights=weights,
         kv_cache=int(kv_cache_bytes(info, cells_seq * parallel) * on_host),
-        compute=_compute_bytes(info, cells_seq, parallel, batch, all_logits),
+        compute=_compute_bytes(info, cells_seq, parallel, batch, all_logits)
+        + (scores_bytes(info.head_count, cells_seq, batch) if unfused_attention else 0),
         overhead=_BASE + _PER_TOKEN * info.n_vocab,
     )
 
 
 def estimate_memory(
-    info: GgufInfo, *, ctx_per_seq: int, parallel: int, batch: int, gpu_layers: int = 0
+    info: GgufInfo,
+    *,
+    ctx_per_seq: int,
+    parallel: int,
+    batch: int,
+    gpu_layers: int = 0,
+    flash_attn: str = "auto",
 ) -> int:
-    """Bytes of host RAM a load needs: :func:`memory_estimate`'s total."""
+    """Bytes of host RAM a load with the ``--flash-attn`` choice ``flash_attn`` needs:
+    :func:`memory_estimate`'s total (``gpu_layers`` as there)."""
+    cells_seq = -(-ctx_per_seq // _KV_PAD) * _KV_PAD
     return memory_estimate(
-        info, ctx_per_seq=ctx_per_seq, parallel=parallel, batch=batch, gpu_layers=gpu_layers
+        info,
+        ctx_per_seq=ctx_per_seq,
+        parallel=parallel,
+        batch=batch,
+        gpu_layers=gpu_layers,
+        unfused_attention=unfused(
+            flash_attn,
+            on_gpu=gpu_layers != 0,
+            n_head=info.head_count,
+            cells_seq=cells_seq,
+            batch=batch,
+        ),
     ).total
 
 

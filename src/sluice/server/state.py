@@ -126,6 +126,7 @@ def build_state(
                 batch=ms.batch,
                 # Layers on a GPU take no host RAM, but only where llama.cpp can offload.
                 gpu_layers=ms.gpu_layers if gpu_offload_supported() else 0,
+                flash_attn=ms.flash_attn,
             )
 
     else:
