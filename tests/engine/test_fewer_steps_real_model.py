@@ -15,9 +15,8 @@ slot holds changes the rounding."""
 from __future__ import annotations
 
 import json
-from typing import Any
-
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
