@@ -34,6 +34,7 @@ def fused() -> Iterator[str]:
     with serve_process("--parallel", "2", "--ctx", "2048", "--flash-attn", "on", *QUIET) as url:
         yield url
 
+
 PROMPTS = [
     "Repeat this sentence three times: the cat sat on the mat and looked at the hat.",
     "List the days of the week, then list them again in the same order.",

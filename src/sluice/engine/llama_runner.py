@@ -280,8 +280,7 @@ class LlamaRunner(SamplingMixin):
         runner = cls(config, model, ctx)
         runner.unfused_attention = fa_type == int(L.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         log.info(
-            "loaded %s: model %.3f s, context %.3f s, vocabulary tables %.3f s; "
-            "flash attention %s",
+            "loaded %s: model %.3f s, context %.3f s, vocabulary tables %.3f s; flash attention %s",
             config.model_id or path.stem,
             model_loaded - started,
             context_made - model_loaded,
