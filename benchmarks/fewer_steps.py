@@ -245,6 +245,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 args.quiet,
                                 args.quiet_timeout,
                             )
+                            server.wait_idle(timeout=300)  # the last step's counts too
                             res |= {
                                 "round": rnd,
                                 "workload": workload,
