@@ -131,6 +131,25 @@ def test_a_user_key_chats_and_sees_only_its_requests(keyed: str) -> None:
     assert _call(keyed, "POST", "/api/show", {"model": "scripted"}, ALICE).status_code == 200
 
 
+def test_only_an_admin_keys_keep_alive_sets_the_models_ttl(keyed: str) -> None:
+    """keep_alive on a chat is the model's idle TTL for everyone: a user key's is
+    ignored (the chat is answered), an admin key's applies."""
+
+    def expires() -> str:
+        r = _call(keyed, "GET", "/api/ps", None, BOB)
+        return str(next(m["expires_at"] for m in r.json()["models"]))
+
+    chat = {"model": "scripted", "messages": [{"role": "user", "content": "hi"}], "stream": False}
+    assert _call(keyed, "POST", "/api/chat", chat, BOB).status_code == 200
+    default = expires()
+    r = _call(keyed, "POST", "/api/chat", {**chat, "keep_alive": -1}, ALICE)
+    assert r.status_code == 200 and r.json()["message"]["content"], r.text
+    assert expires()[:4] == default[:4]  # still the server's TTL, this year
+    assert _call(keyed, "POST", "/api/chat", {**chat, "keep_alive": -1}, BOB).status_code == 200
+    assert int(expires()[:4]) >= int(default[:4]) + 9  # kept loaded: ten years ahead
+    _call(keyed, "POST", "/api/chat", {**chat, "keep_alive": "1h"}, BOB)  # as it was
+
+
 @pytest.mark.parametrize(
     ("host", "allow", "refused"),
     [("127.0.0.1", False, False), ("0.0.0.0", False, True), ("0.0.0.0", True, False)],

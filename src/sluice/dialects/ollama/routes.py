@@ -65,7 +65,7 @@ from sluice.local.model import LocalModel
 from sluice.models.catalog import delete_from_models_dir
 from sluice.models.dispatch import SlotLease
 from sluice.models.files import ModelFile, read_all_model_files, reasoning_capability
-from sluice.server.auth import require_admin
+from sluice.server.auth import is_admin, require_admin
 from sluice.server.body import read_request_body
 from sluice.server.jsonbody import check_body_limits, check_embed_inputs, parse_json_body
 from sluice.server.respond import CLIENT_GONE, errors_as, respond
@@ -114,7 +114,7 @@ def _empty(body: Wire) -> bool:
     return not body.prompt and not body.raw
 
 
-async def _load_only(state: ServerState, body: Wire, started: float) -> Response:
+async def _load_only(state: ServerState, body: Wire, started: float, *, admin: bool) -> Response:
     """Empty ``messages`` / ``prompt``: load the model (or unload it: keep_alive 0)."""
     formatter = OllamaFormatter(body.model, chat=isinstance(body, ChatRequest), started=started)
     if body.unloads():
@@ -124,7 +124,7 @@ async def _load_only(state: ServerState, body: Wire, started: float) -> Response
                 await state.registry.unload(spec.name)
         formatter.reason = "unload"
     else:
-        lease = await _acquire(state, body)
+        lease = await _acquire(state, body, admin=admin)
         lease.release()
         formatter.reason = "load"
         formatter.load_seconds = (lease.load_seconds or 0.0) if lease.loaded_now else 0.0
@@ -134,9 +134,15 @@ async def _load_only(state: ServerState, body: Wire, started: float) -> Response
     return json_response(out)
 
 
-async def _acquire(state: ServerState, body: Wire) -> SlotLease:
+async def _acquire(state: ServerState, body: Wire, *, admin: bool) -> SlotLease:
+    """The slot, the model loaded just in time. ``keep_alive`` sets the model's idle TTL
+    for everyone, so only an admin key's counts (a user key's is ignored, logged)."""
     options = LoadOptions(ctx=body.options.num_ctx) if body.options.num_ctx else None
-    return await state.dispatcher.acquire(body.model, ttl=body.ttl(), options=options)
+    ttl = body.ttl()
+    if ttl is not None and not admin:
+        log.info("'%s': keep_alive from a user key ignored (the model's TTL stays)", body.model)
+        ttl = None
+    return await state.dispatcher.acquire(body.model, ttl=ttl, options=options)
 
 
 async def _answer(request: Request, wire: type[Wire]) -> Response:
@@ -148,9 +154,9 @@ async def _answer(request: Request, wire: type[Wire]) -> Response:
     if _empty(body):
         if body.unloads():  # an explicit unload is model management
             require_admin(request, "Unloading a model (keep_alive 0)")
-        return await _load_only(state, body, started)
+        return await _load_only(state, body, started, admin=is_admin(request))
     neutral = body.to_request()
-    lease = await _acquire(state, body)
+    lease = await _acquire(state, body, admin=is_admin(request))
     try:
         stream: ResponseStream = await lease.open(neutral)
     except BaseException:
