@@ -3,12 +3,11 @@ the same greedy answers with speculation on and off (stop strings, penalties, a 
 and valid objects of a key-heavy schema with jump-forward over many seeds.
 
 Identity needs kernels that give a row the same numbers alone and among others, which
-llama.cpp's CPU kernels do only with its fused attention (``--flash-attn on``) while a
-sequence's KV cache stays under 512 cells (docs/speculation.md): the identity tests run
-on a server of their own with it. Unfused attention, the CPU default, computes ``K·Q``
-of a lone row with a dot product per cell and of several rows with a tiled product, which
-round differently. Past 512 cells the fused kernel decodes a lone row with the KV split
-over the threads. For the same reason n > 1 is tested on the scripted runner
+llama.cpp's CPU kernels do only with its fused attention (the default, asked for by name
+here) while a sequence's KV cache stays under 512 cells (docs/speculation.md). Past 512
+cells the fused kernel decodes a lone row with the KV split over the threads; unfused
+attention (``--flash-attn off``) computes ``K·Q`` of a lone row with a dot product per
+cell and of several rows with a tiled product, which round differently at any length. For the same reason n > 1 is tested on the scripted runner
 (test_fewer_steps.py): each choice takes its own slot, and which cached prompt state a
 slot holds changes the rounding."""
 

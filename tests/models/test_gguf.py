@@ -223,8 +223,7 @@ def test_kv_cache_matches_llama_cpp(smollm2: GgufInfo, gemma: GgufInfo) -> None:
 def test_estimate_parts(smollm2: GgufInfo) -> None:
     base = memory_estimate(smollm2, ctx_per_seq=512, parallel=2, batch=512)
     assert base.weights == smollm2.file_size  # Q4_1: nothing the CPU backend repacks
-    fused = estimate_memory(smollm2, ctx_per_seq=512, parallel=2, batch=512, flash_attn="on")
-    assert fused == base.total
+    assert estimate_memory(smollm2, ctx_per_seq=512, parallel=2, batch=512) == base.total
     logits = memory_estimate(smollm2, ctx_per_seq=512, parallel=2, batch=512, all_logits=True)
     assert logits.compute - base.compute == 2 * 49152 * (512 - 2) * 4
     offloaded = memory_estimate(smollm2, ctx_per_seq=512, parallel=2, batch=512, gpu_layers=10)
@@ -242,10 +241,9 @@ def test_unfused_attention_adds_a_batch_of_scores(smollm2: GgufInfo) -> None:
         smollm2, ctx_per_seq=1000, parallel=2, batch=512, unfused_attention=True
     )
     assert plain.compute - fused.compute == 2 * 4 * 9 * 1024 * 512  # 9 heads, 1024 cells
-    # "auto" on the CPU is unfused at this size, "on" is not.
-    assert estimate_memory(smollm2, ctx_per_seq=1000, parallel=2, batch=512) == plain.total
-    on = estimate_memory(smollm2, ctx_per_seq=1000, parallel=2, batch=512, flash_attn="on")
-    assert on == fused.total
+    off = estimate_memory(smollm2, ctx_per_seq=1000, parallel=2, batch=512, flash_attn="off")
+    assert off == plain.total
+    assert estimate_memory(smollm2, ctx_per_seq=1000, parallel=2, batch=512) == fused.total
 
 
 def test_repacked_weights_counted_twice(gemma: GgufInfo) -> None:
@@ -265,12 +263,13 @@ def rss():
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmRSS"))
 
-name, ctx, parallel, batch = sys.argv[1], *map(int, sys.argv[2:])
+name, ctx, parallel, batch = sys.argv[1], *map(int, sys.argv[2:5])
 path = str(resolve_model(name).path)
 _init_backend()
 before = rss()
 runner = LlamaRunner.load(LlamaRunnerConfig(
-    model_path=path, n_parallel=parallel, n_ctx=ctx, n_batch=batch, n_threads=1))
+    model_path=path, n_parallel=parallel, n_ctx=ctx, n_batch=batch, n_threads=1,
+    flash_attn=sys.argv[5]))
 n = min(runner.n_batch, runner.n_ctx_seq // 2)
 tokens = runner.tokenize("hello world " * 5000, add_special=True)[:n]
 runner.decode([BatchEntry(0, tokens, 0)])
@@ -282,10 +281,11 @@ print(json.dumps({"rss": rss() - before}))
 # batch sizes on both models. Larger batches were measured too (in bounds: 1.13x
 # and 1.24x at batch 2048) but a 2048-token prefill on one thread takes 15 s.
 _SETTINGS = [
-    ("smollm2", 512, 1, 512),
-    ("smollm2", 4096, 4, 512),
-    ("gemma3-270m", 2048, 2, 256),
-    ("gemma3-270m", 4096, 4, 512),
+    ("smollm2", 512, 1, 512, "auto"),
+    ("smollm2", 4096, 4, 512, "auto"),
+    ("smollm2", 4096, 2, 512, "off"),  # unfused attention: a batch's scores too
+    ("gemma3-270m", 2048, 2, 256, "auto"),
+    ("gemma3-270m", 4096, 4, 512, "auto"),
 ]
 
 
@@ -307,12 +307,14 @@ def test_estimate_bounds_measured_memory(smollm2: GgufInfo, gemma: GgufInfo) -> 
         for name, *numbers in _SETTINGS
     ]
     rows, failures = [], []
-    for (name, ctx, parallel, batch), child in zip(_SETTINGS, children):
+    for (name, ctx, parallel, batch, fa), child in zip(_SETTINGS, children):
         out, err = child.communicate(timeout=120)
         assert child.returncode == 0, err[-2000:]
         measured = json.loads(out.splitlines()[-1])["rss"]
-        est = estimate_memory(infos[name], ctx_per_seq=ctx, parallel=parallel, batch=batch)
-        row = f"{name} ctx={ctx} x{parallel} batch={batch}: measured {measured / MiB:.0f} MiB, "
+        est = estimate_memory(
+            infos[name], ctx_per_seq=ctx, parallel=parallel, batch=batch, flash_attn=fa
+        )
+        row = f"{name} ctx={ctx} x{parallel} batch={batch} flash_attn={fa}: measured {measured / MiB:.0f} MiB, "
         rows.append(row + f"estimate {est / MiB:.0f} MiB ({est / measured:.2f}x)")
         if not measured <= est <= 1.6 * measured + 64 * MiB:
             failures.append(rows[-1])

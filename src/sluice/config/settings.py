@@ -182,10 +182,11 @@ class Settings:
     flash_attn: str = setting(
         "auto",
         "engine",
-        "llama.cpp's fused (flash) attention: on, off, or auto: off for a model on the "
-        "CPU, where the unfused kernels decode faster (1.8x at 3,000 tokens of context), "
-        "unless a batch's attention scores would take over 512 MiB (n_head x ctx x batch "
-        "x 8 bytes); llama.cpp's own choice with layers on a GPU",
+        "llama.cpp's fused (flash) attention: auto (llama.cpp's choice: fused wherever "
+        "the device has it, the CPU included), on, or off. On the CPU, off decodes faster "
+        "past a few hundred tokens of context (1.8x a step at 3,000) and makes drafts "
+        "cheaper to verify, but slower with several short sequences (0.7x, 4 x 60 "
+        "tokens), and keeps n_head x ctx x batch x 8 bytes of attention scores",
         choices=("auto", "on", "off"),
     )
     queue: int = setting(16, "engine", "requests that may wait for a slot; more get a 503")

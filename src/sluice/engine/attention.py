@@ -1,26 +1,30 @@
 """Which attention kernel llama.cpp runs a model with (the ``--flash-attn`` setting).
 
-llama.cpp's "auto" turns its fused (flash) attention on wherever the device has it,
-the CPU included. On the CPU the fused kernel walks the cache one cell at a time
-with an online softmax, while the unfused graph does two matrix products and one
-vectorized softmax. Measured on SmolLM2-135M, 2 threads (one decode step of one
-sequence, fused / unfused): 13.1 / 12.6 ms at 200 cells, 27.6 / 18.1 ms at 900,
-66 / 36 ms at 3,000; with 16 drafted rows verified beside it 540 / 270 ms at
-3,000; prefill level (25.2 / 26.3 s for 3,000 tokens). A lone row also takes a
-split-cache path in the fused kernel once a sequence holds 512 cells, whose
-rounding differs from the same row decoded among others, so a verified draft
-could change a greedy answer at a near tie.
+"auto" is llama.cpp's own choice: its fused (flash) attention wherever the device
+has it, the CPU included. "off" builds the unfused graph (``K·Q``, a softmax, a
+product with ``V``), a trade on the CPU, measured on SmolLM2-135M with 2 threads
+(one decode step, fused / unfused):
 
-The unfused graph pays in memory: the scores of a batch (``K·Q`` and its softmax,
-one float per head, token and cell) sit in llama.cpp's compute buffer. So "auto" is
-unfused on the CPU while those scores stay under :data:`UNFUSED_SCORES_LIMIT`, and
-llama.cpp's own choice with layers on a GPU, where the fused kernels are the fast
-ones.
+- Past a few hundred tokens of context the unfused graph is faster: the fused CPU
+  kernel walks the cache one cell at a time with an online softmax. One sequence:
+  27.6 / 18.1 ms at 900 cells, 66 / 36 ms at 3,000; 16 drafted rows verified
+  beside it at 3,000 cells 540 / 270 ms. So copied text (prompt-lookup
+  speculation) gains most from it: a 3,000-token file rewritten came out 1.47x
+  faster without speculation, 3.3x llama-server's with it.
+- Below about 300 cells it is slower with several sequences: the fused kernel
+  reads only the cells in use, the unfused graph every cell of the padded view
+  (256 at least): 4 sequences of 60 tokens 33 / 46 ms, 8 sequences 64 / 71 ms.
+- It keeps a batch's attention scores in llama.cpp's compute buffer (``K·Q`` and
+  its softmax, one float per head, token and cell): :func:`scores_bytes`, counted
+  in the memory estimate.
+- With fused attention a row's logits come out the same alone and among drafted
+  rows while a sequence holds fewer than 512 cells (past that a lone row takes a
+  split-cache path); unfused, ``K·Q`` of a lone row is a dot product per cell and
+  of several rows a tiled product, which round differently (docs/speculation.md).
 """
 
 from __future__ import annotations
 
-UNFUSED_SCORES_LIMIT = 512 << 20
 CHOICES = ("auto", "on", "off")
 
 
@@ -33,10 +37,8 @@ def scores_bytes(n_head: int, cells_seq: int, batch: int) -> int:
     return 2 * 4 * n_head * cells_seq * batch
 
 
-def unfused(choice: str, *, on_gpu: bool, n_head: int, cells_seq: int, batch: int) -> bool:
-    """Whether the model runs with the unfused attention graph (flash attention off)."""
+def unfused(choice: str) -> bool:
+    """Whether a model runs with the unfused attention graph (flash attention off)."""
     if choice not in CHOICES:
         raise ValueError(f"flash_attn must be one of {', '.join(CHOICES)}, not {choice!r}")
-    if choice != "auto":
-        return choice == "off"
-    return not on_gpu and scores_bytes(n_head, cells_seq, batch) <= UNFUSED_SCORES_LIMIT
+    return choice == "off"

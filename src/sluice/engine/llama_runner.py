@@ -52,7 +52,6 @@ _PIECE_BUF = 256  # bytes: token_bytes's buffer (a longer piece comes out empty)
 # a last partial tile to a whole one: 140 rows cost what 192 do (measured, 2,000 tokens
 # in, 1 thread: 1310 ms vs 1070 for 128), so chunks are whole tiles.
 _FA_TILE_Q = 64
-_KV_PAD = 256  # llama.cpp rounds each sequence's cells up to a multiple of this
 
 
 def _llama() -> Any:
@@ -144,16 +143,11 @@ class LlamaRunnerConfig:
     chat_template: str | None = None  # overrides the GGUF's own
 
 
-def _flash_attn_type(L: Any, config: LlamaRunnerConfig, model: Any) -> int:
-    """llama.cpp's ``flash_attn_type`` for ``config.flash_attn`` (see engine.attention)."""
-    cells = -(-config.n_ctx // _KV_PAD) * _KV_PAD
-    on_gpu = config.n_gpu_layers != 0 and gpu_offload_supported()
-    n_head = int(L.llama_model_n_head(model))
-    if unfused(
-        config.flash_attn, on_gpu=on_gpu, n_head=n_head, cells_seq=cells, batch=config.n_batch
-    ):
+def _flash_attn_type(L: Any, choice: str) -> int:
+    """llama.cpp's ``flash_attn_type`` for the ``--flash-attn`` choice (engine.attention)."""
+    if unfused(choice):
         return int(L.LLAMA_FLASH_ATTN_TYPE_DISABLED)
-    if config.flash_attn == "on":
+    if choice == "on":
         return int(L.LLAMA_FLASH_ATTN_TYPE_ENABLED)
     return int(L.LLAMA_FLASH_ATTN_TYPE_AUTO)
 
@@ -270,7 +264,7 @@ class LlamaRunner(SamplingMixin):
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
         cparams.kv_unified = False
-        cparams.flash_attn_type = fa_type = _flash_attn_type(L, config, model)
+        cparams.flash_attn_type = fa_type = _flash_attn_type(L, config.flash_attn)
         cparams.no_perf = True
         ctx = L.llama_init_from_model(model, cparams)
         if not ctx:

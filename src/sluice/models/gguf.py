@@ -529,20 +529,13 @@ def estimate_memory(
 ) -> int:
     """Bytes of host RAM a load with the ``--flash-attn`` choice ``flash_attn`` needs:
     :func:`memory_estimate`'s total (``gpu_layers`` as there)."""
-    cells_seq = -(-ctx_per_seq // _KV_PAD) * _KV_PAD
     return memory_estimate(
         info,
         ctx_per_seq=ctx_per_seq,
         parallel=parallel,
         batch=batch,
         gpu_layers=gpu_layers,
-        unfused_attention=unfused(
-            flash_attn,
-            on_gpu=gpu_layers != 0,
-            n_head=info.head_count,
-            cells_seq=cells_seq,
-            batch=batch,
-        ),
+        unfused_attention=unfused(flash_attn),
     ).total
 
 
