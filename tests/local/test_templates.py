@@ -111,3 +111,22 @@ def test_every_bundled_template_renders_a_conversation_with_tools() -> None:
     # functionary v3.2 concatenates the arguments as text (it wants them as a string);
     # Gemma 2 knows no tool role.
     assert set(failed) <= {"meetkai-functionary-medium-v3.2", "google-gemma-2-2b-it"}, failed
+
+
+def test_a_requests_thinking_switch_reaches_templates_that_read_thinking() -> None:
+    """Kimi K3 reads ``thinking`` (default on), not ``enable_thinking``: a request that
+    turns thinking off opens the response block instead of the think block."""
+    from sluice.templates import bundled
+
+    k3 = ChatTemplate(bundled("Kimi-K3"), bos_token="", eos_token="", model_id="k3")
+    hi = [{"role": "user", "content": "Hi"}]
+    default = k3.render(hi)
+    off = k3.render(hi, extra={"enable_thinking": False})
+    assert default.endswith("<|open|>think<|sep|>"), default[-80:]
+    assert off.endswith("<|open|>response<|sep|>"), off[-80:]
+    # Granite 3.3 reads ``thinking`` too, default off: only a request turns it on.
+    granite = ChatTemplate(
+        bundled("ibm-granite-granite-3.3-2B-Instruct"), bos_token="", eos_token="", model_id="g"
+    )
+    assert "thoughts" not in granite.render(hi)
+    assert "thoughts" in granite.render(hi, extra={"enable_thinking": True})

@@ -6,7 +6,8 @@ renderers: ``{% break %}``/``{% continue %}``, ``{% generation %}`` blocks,
 ``raise_exception`` and ``strftime_now``; an undefined value concatenates as
 empty text, as llama.cpp's engine does. Every render sees ``enable_thinking``
 (true unless the request says otherwise), ``datetime`` and ``date_string``, as
-llama.cpp passes them.
+llama.cpp passes them; a request that sets ``enable_thinking`` sets ``thinking``
+too, the name Kimi K3, DeepSeek V3.1 and Granite 3.3 read.
 
 Example::
 
@@ -170,13 +171,19 @@ class ChatTemplate:
     ) -> str:
         assert self._template is not None
         now = datetime.datetime.now()
+        extra = dict(extra or {})
+        if "enable_thinking" in extra:
+            # The same switch under the name other families read (Kimi K3, DeepSeek
+            # V3.1, Granite 3.3: ``thinking``), set only when a request set it:
+            # Granite's default is off, K3's on.
+            extra.setdefault("thinking", extra["enable_thinking"])
         context: dict[str, Any] = {
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
             "enable_thinking": True,
             "datetime": now.strftime("%b %d %Y"),
             "date_string": now.strftime("%d %b %Y"),
-            **(extra or {}),
+            **extra,
             "messages": messages,
             "add_generation_prompt": add_generation_prompt,
         }

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,13 +97,17 @@ def reasoning_capability(template: str | None) -> dict[str, Any] | None:
 
     A template thinks if its learned format has reasoning markers (the ones the output
     parsers read: ``<think>``, ``<seed:think>``, gpt-oss's analysis channel, ...); it
-    can be told not to think only if it reads a switch (``enable_thinking``, set
-    through ``chat_template_kwargs``).
+    can be told not to think only if it reads a switch (``enable_thinking``, or
+    ``thinking`` as Kimi K3 does; set through ``chat_template_kwargs``).
     """
     if template is None or not _thinks(template):
         return None
-    options = ["off", "on"] if "enable_thinking" in template else ["on"]
+    switch = "enable_thinking" in template or _THINKING_SWITCH.search(template)
+    options = ["off", "on"] if switch else ["on"]
     return {"allowed_options": options, "default": "on"}
+
+
+_THINKING_SWITCH = re.compile(r"\bthinking is (?:un)?defined\b")
 
 
 @functools.lru_cache(maxsize=64)

@@ -191,3 +191,6 @@ def test_reasoning_capability_knows_every_family_s_markers() -> None:
     for name in ("ByteDance-Seed-OSS", "openai-gpt-oss-120b", "Cohere2MoE"):
         assert reasoning_capability(bundled(name)) == {"allowed_options": ["on"], "default": "on"}
     assert reasoning_capability(bundled("Qwen-Qwen2.5-7B-Instruct")) is None
+    # Kimi K3 is switched off by ``thinking``, not ``enable_thinking``.
+    k3 = reasoning_capability(bundled("Kimi-K3"))
+    assert k3 == {"allowed_options": ["off", "on"], "default": "on"}
