@@ -151,6 +151,7 @@ class Upstream:
         self.behaviour = behaviour
         self.posts: list[dict[str, Any]] = []
         self.disconnected = threading.Event()
+        self.release = threading.Event()  # gemini_held: the rest of its array
         self.models_ok = True
         owner = self
 
@@ -296,6 +297,27 @@ class Upstream:
             records = GEMINI_RECORDS if ":stream" in path else GEMINI_RECORDS[-1]
             self._respond(sock, 200, json.dumps(records, indent=1).encode())
         return True
+
+    def _gemini_held(self, sock: socket.socket, body: dict[str, Any]) -> bool:
+        """A stream as one JSON array, sent in pieces: the first record, then (once the
+        test releases it, or after 5 s) the others."""
+        sock.sendall(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
+        first, *rest = (json.dumps(r).encode() for r in GEMINI_RECORDS)
+        self._chunk(sock, b"[" + first)
+        if self.behaviour == "gemini_cut":  # ends the body without closing the array
+            sock.sendall(b"0\r\n\r\n")
+            return True
+        self.release.wait(5)
+        for record in rest:
+            self._chunk(sock, b",\r\n" + record)
+        self._chunk(sock, b"]")
+        sock.sendall(b"0\r\n\r\n")
+        return True
+
+    _gemini_cut = _gemini_held
 
     def _anthropic_drop(self, sock: socket.socket, body: dict[str, Any]) -> bool:
         self._stream_head(sock)
@@ -637,6 +659,41 @@ def test_a_native_gemini_upstream_gets_the_body_and_its_bytes_come_back() -> Non
     assert up.posts[3]["body"]["generateContentRequest"]["model"] == "models/m1"
     # The tap read Gemini's usage three times: 6 in, 2 answer + 3 thoughts out each.
     assert (slot["tokens_in"], slot["tokens_out"], slot["errors"]) == (18, 15, 0)
+
+
+def test_a_native_gemini_array_stream_comes_through_as_it_is_sent() -> None:
+    """streamGenerateContent without alt=sse is one JSON array: its first record reaches
+    the client while the upstream still holds the rest, and the tap reads every record."""
+    with (
+        upstreams("gemini_held") as (up,),
+        gateway([up.url], native_apis=["gemini"], timeout=10.0) as base,
+    ):
+        url = f"{base}/v1beta/models/alias-m1:streamGenerateContent"
+        body = {"contents": [{"role": "user", "parts": [{"text": "hi"}]}]}
+        started = time.monotonic()
+        with httpx.stream("POST", url, json=body, timeout=10) as r:
+            chunks = r.iter_raw()
+            first = next(chunks)
+            early = time.monotonic() - started
+            up.release.set()
+            content = first + b"".join(chunks)
+        slot = httpx.get(f"{base}/v1/info").json()["slots"]["up"]
+    assert early < 3, f"the first record came after {early:.1f} s: the array was held back"
+    assert first.startswith(b"[") and r.headers["content-type"].startswith("application/json")
+    assert json.loads(content) == GEMINI_RECORDS
+    assert (slot["tokens_in"], slot["tokens_out"], slot["errors"]) == (6, 5, 0)
+
+
+def test_a_native_gemini_array_cut_short_ends_with_an_error_record() -> None:
+    with upstreams("gemini_cut") as (up,), gateway([up.url], native_apis=["gemini"]) as base:
+        url = f"{base}/v1beta/models/alias-m1:streamGenerateContent"
+        body = {"contents": [{"role": "user", "parts": [{"text": "hi"}]}]}
+        r = httpx.post(url, json=body, timeout=10)
+        slot = httpx.get(f"{base}/v1/info").json()["slots"]["up"]
+    records = json.loads(r.content)  # still one valid array
+    assert records[0] == GEMINI_RECORDS[0]
+    assert "before finishing" in records[-1]["error"]["message"], records[-1]
+    assert slot["errors"] == 1
 
 
 def test_a_native_gemini_upstream_gets_the_slot_key() -> None:

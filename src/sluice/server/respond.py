@@ -150,6 +150,8 @@ class Forwarded(Protocol):
 
     def stream(self) -> AsyncIterator[bytes]: ...
 
+    def stream_array(self) -> AsyncIterator[bytes]: ...
+
     async def read(self) -> bytes: ...
 
     async def aclose(self) -> None: ...
@@ -162,15 +164,20 @@ async def forward(
     *,
     failure_frame: Callable[[BaseException], bytes],
     render_error: Callable[[SluiceError], Response],
+    json_stream: bool = False,
 ) -> Response:
     """An upstream's answer in its own dialect, byte for byte: its SSE events as they
     come (a failure after the first byte ends them with ``failure_frame``), or its
-    whole body with its status; ``render_error`` answers a failure before that."""
-    if answer.streaming:
+    whole body with its status; ``render_error`` answers a failure before that.
+    ``json_stream``: a successful JSON body is a stream too (Gemini's JSON array), its
+    bytes forwarded as they come."""
+    as_array = json_stream and answer.status == 200 and not answer.streaming
+    if answer.streaming or as_array:
 
         async def events() -> AsyncIterator[bytes]:
             try:
-                async for chunk in answer.stream():
+                source = answer.stream_array() if as_array else answer.stream()
+                async for chunk in source:
                     yield chunk
             except SluiceError as exc:  # after the first byte: the dialect's error frame
                 yield failure_frame(exc)

@@ -364,17 +364,21 @@ class Passthrough:
         self._finish(error=self.response.status >= 500)
         return body
 
+    async def _chunks(self) -> AsyncIterator[bytes]:
+        """The body's bytes as they arrive (a cancelled request stops the wait)."""
+        step = aiter(self.response.aiter_raw()).__anext__
+        while True:
+            try:
+                yield await self._interrupt.wait(step)
+            except StopAsyncIteration:
+                return
+
     async def stream(self) -> AsyncIterator[bytes]:
         """Whole SSE events, byte for byte, as they arrive."""
         sse = SSEDecoder()
         finished = False  # [DONE] or a finish_reason seen: a clean end is then complete
-        step = aiter(self.response.aiter_raw()).__anext__
         try:
-            while True:
-                try:
-                    chunk = await self._interrupt.wait(step)
-                except StopAsyncIteration:
-                    break
+            async for chunk in self._chunks():
                 out: list[bytes] = []
                 for message in sse.feed(chunk):
                     data = message.data
@@ -398,6 +402,24 @@ class Passthrough:
             raise
         self._finish(error=False)
 
+    async def stream_array(self) -> AsyncIterator[bytes]:
+        """A JSON array sent as a stream (Gemini's ``streamGenerateContent`` without
+        ``alt=sse``): its bytes as they arrive, each top-level record tapped once whole."""
+        split = ArraySplitter()
+        try:
+            async for chunk in self._chunks():
+                for record in split.feed(chunk):
+                    data = _json_value(record)
+                    if isinstance(data, dict):
+                        self.tap.chunk(data)
+                yield chunk
+            if not split.closed:
+                raise UpstreamFailed("The upstream ended the stream before finishing it.")
+        except SluiceError:
+            self._finish(error=True)
+            raise
+        self._finish(error=False)
+
     def _finish(self, *, error: bool) -> None:
         if not self._done:
             self._done = True
@@ -410,6 +432,49 @@ class Passthrough:
         self._finish(error=False)
         if self._response is not None:
             await self._response.aclose()
+
+
+class ArraySplitter:
+    """The top-level objects of a JSON array fed in pieces, each as its bytes once whole;
+    ``closed`` once the array's closing bracket came.
+
+    >>> s = ArraySplitter()
+    >>> s.feed(b'[{"a": "}"}, {"b"'), s.feed(b': [1]}]'), s.closed
+    ([b'{"a": "}"}'], [b'{"b": [1]}'], True)
+    """
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.closed = False
+        self._string = False
+        self._escape = False
+        self._record = bytearray()
+
+    def feed(self, data: bytes) -> list[bytes]:
+        out: list[bytes] = []
+        for b in data:
+            if self.depth > 1:
+                self._record.append(b)
+            if self._string:
+                if self._escape:
+                    self._escape = False
+                elif b == 0x5C:  # backslash
+                    self._escape = True
+                elif b == 0x22:  # quote
+                    self._string = False
+            elif b == 0x22:
+                self._string = True
+            elif b in (0x7B, 0x5B):  # { [
+                self.depth += 1
+                if self.depth == 2:
+                    self._record = bytearray((b,))
+            elif b in (0x7D, 0x5D):  # } ]
+                self.depth -= 1
+                if self.depth == 1:
+                    out.append(bytes(self._record))
+                elif self.depth == 0:
+                    self.closed = True
+        return out
 
 
 def _json_value(data: str | bytes) -> Any:

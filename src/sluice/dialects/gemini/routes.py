@@ -159,8 +159,8 @@ async def _passthrough(
 ) -> Response:
     """A request to an upstream that speaks the Gemini API: the body as it came, to its
     own name for the model, with the query (``alt=sse``) but not a ``key`` (the slot's
-    own key goes as ``x-goog-api-key``); its bytes back unchanged. A stream without
-    ``alt=sse`` (one JSON array) comes back whole once the upstream has finished it."""
+    own key goes as ``x-goog-api-key``); its bytes back unchanged, a stream's as they
+    come (SSE with ``alt=sse``, else one JSON array)."""
     query = urlencode([(k, v) for k, v in request.query_params.multi_items() if k != "key"])
     path = f"/models/{quote(target.model, safe='/')}:{method}" + (f"?{query}" if query else "")
     raw = orjson.dumps(_renamed(data, f"models/{target.model}"))
@@ -178,6 +178,7 @@ async def _passthrough(
         answer,
         failure_frame=error_frame if sse else _array_failure,
         render_error=error_response,
+        json_stream=method == "streamGenerateContent",
     )
 
 
