@@ -175,7 +175,6 @@ class LlamaRunner(SamplingMixin):
         self.n_batch = int(L.llama_n_batch(ctx))
         self.dense_sequences = True  # per-sequence KV streams: see Engine._compact
         self.min_prefill_chunk = _FA_TILE_Q
-        self.unfused_attention = False  # flash attention off (set by load)
         # A sequence's saved state holds, for sliding-window layers, only the cells its
         # last position still attends to: cut shorter, the window before the cut is
         # missing (measured on Gemma 3: logits off by up to 28 against a fresh prefill).
@@ -264,7 +263,7 @@ class LlamaRunner(SamplingMixin):
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
         cparams.kv_unified = False
-        cparams.flash_attn_type = fa_type = _flash_attn_type(L, config.flash_attn)
+        cparams.flash_attn_type = _flash_attn_type(L, config.flash_attn)
         cparams.no_perf = True
         ctx = L.llama_init_from_model(model, cparams)
         if not ctx:
@@ -272,14 +271,13 @@ class LlamaRunner(SamplingMixin):
             raise ModelLoadFailed("llama.cpp could not create a context (out of memory?)")
         context_made = time.perf_counter()
         runner = cls(config, model, ctx)
-        runner.unfused_attention = fa_type == int(L.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         log.info(
             "loaded %s: model %.3f s, context %.3f s, vocabulary tables %.3f s; flash attention %s",
             config.model_id or path.stem,
             model_loaded - started,
             context_made - model_loaded,
             time.perf_counter() - context_made,
-            "off" if runner.unfused_attention else "on" if config.flash_attn == "on" else "auto",
+            config.flash_attn,
         )
         if progress is not None:
             progress(1.0)
