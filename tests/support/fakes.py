@@ -124,6 +124,7 @@ class ScriptedRunner:
         self._rows: dict[int, int] = {}
         self._fail_next = False
         self.closed = False
+        self.forced_closers: list[list[int]] = []  # force_tokens' tokens, call by call
 
     # -- any thread -----------------------------------------------------------
 
@@ -237,6 +238,19 @@ class ScriptedRunner:
             out.append(self.piece_id(sampler.script[sampler.pos].piece))
             sampler.pos += 1
         return out
+
+    def force_tokens(self, sampler: Any, tokens: list[int]) -> bool:
+        """A reasoning budget's closer: the script goes on after the piece the closer
+        ends with (where the scripted model closes its reasoning itself)."""
+        self.forced_closers.append(list(tokens))
+        closer = b"".join(self.token_bytes(t, special=True) for t in tokens)
+        script = sampler.script
+        for i in range(sampler.pos, len(script)):
+            item = script[i].piece if isinstance(script[i], Forced) else script[i]
+            if isinstance(item, bytes) and len(item) > 1 and closer.endswith(item):
+                sampler.pos = i + 1
+                break
+        return True
 
     def logprobs(self, row: int, token: int, top_n: int) -> TokenLogprob:
         piece = self.token_bytes(token)

@@ -17,7 +17,10 @@ from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-DEFAULT_MODEL = "smollm2"  # the packaged SmolLM2-135M-Instruct
+DEFAULT_MODEL = "smollm2"
+# Reasoning efforts as budgets (sluice.local.budget): LiteLLM's table from efforts to
+# Anthropic's and Gemini's budgets, which clients translating between dialects use.
+DEFAULT_EFFORTS = "none=0,minimal=128,low=1024,medium=2048,high=4096,xhigh=8192"  # the packaged SmolLM2-135M-Instruct
 
 # The groups, in the order ``--help`` and the reference show them: (key, title, blurb).
 GROUPS: tuple[tuple[str, str, str], ...] = (
@@ -224,6 +227,32 @@ class Settings:
         "decode the tokens a grammar forces (JSON keys and punctuation, tool-call markup) "
         "in one step without sampling them (a request's speculative.jump_forward may turn "
         "it off)",
+    )
+    reasoning_budget: int = setting(
+        -1,
+        "engine",
+        "tokens a reasoning block may take before sluice closes it (forcing the family's "
+        "end marker, learned from its chat template) and the answer follows; 0: no "
+        "reasoning; -1: no limit (a request's budget or effort overrides it)",
+    )
+    reasoning_budget_message: str = setting(
+        "",
+        "engine",
+        "text written into the reasoning just before sluice closes it on the budget "
+        "(llama-server's --reasoning-budget-message)",
+    )
+    reasoning_efforts: str = setting(
+        DEFAULT_EFFORTS,
+        "engine",
+        "reasoning efforts (OpenAI's reasoning_effort, Ollama's think levels, LM Studio's "
+        "reasoning, Gemini's thinkingLevel) as budgets: effort=tokens, comma-separated",
+    )
+    call_reasoning_budget: int = setting(
+        256,
+        "engine",
+        "the reasoning budget of a forced call (tool_choice required or a named function) "
+        "that sets none, and at most half its max_tokens, so the call comes within them; "
+        "-1: only --reasoning-budget",
     )
     prompt_special_tokens: bool = setting(
         True,

@@ -135,6 +135,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    reasoning_tokens: int = 0  # of completion_tokens, those of the reasoning block
     prompt_ms: float = 0.0
     generation_ms: float = 0.0
 

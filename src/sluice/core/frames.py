@@ -34,6 +34,7 @@ class UsageTotals:
         self.prompt_tokens: dict[int, int] = {}
         self.cached_tokens: dict[int, int] = {}
         self.completion_tokens: dict[int, int] = {}
+        self.reasoning_tokens: dict[int, int] = {}
 
     def start(self, choice: int, prompt_tokens: int) -> None:
         if choice in self._owners:
@@ -47,6 +48,7 @@ class UsageTotals:
         if usage is None:
             return
         self.completion_tokens[event.choice] = usage.completion_tokens
+        self.reasoning_tokens[event.choice] = usage.reasoning_tokens
         if event.choice in self._owners:
             self.prompt_tokens[event.choice] = usage.prompt_tokens
             self.cached_tokens[event.choice] = usage.cached_tokens
@@ -59,4 +61,7 @@ class UsageTotals:
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": int(sum(self.cached_tokens.values()))},
+            "completion_tokens_details": {
+                "reasoning_tokens": int(sum(self.reasoning_tokens.values()))
+            },
         }

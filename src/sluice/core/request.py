@@ -179,6 +179,9 @@ class GenerationRequest:
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     reasoning_effort: str | None = None
+    # Tokens the reasoning block may take (0: none, -1: no limit; None: from the effort
+    # or the server's setting; see sluice.local.budget).
+    reasoning_budget: int | None = None
     template_kwargs: dict[str, Any] | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_tokens: int | None = None  # None: the backend's default (chat: until EOS or context)

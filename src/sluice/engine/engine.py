@@ -52,6 +52,7 @@ from sluice.engine.prompt_cache import (
     PromptCache,
     common_prefix,
 )
+from sluice.engine.reasoning import ReasoningTrack
 from sluice.engine.runner import BatchEntry, DecodeError, ModelRunner
 from sluice.engine.scheduler import Planned, PrefillPacer, SlotView, deferred, plan_batch
 from sluice.engine.speculate import DraftPolicy, PromptLookup
@@ -151,6 +152,7 @@ class Engine:
             "drafted": 0,
             "accepted": 0,
             "forced": 0,
+            "closed": 0,
         }
         self._drafts = DraftPolicy()
         self._buffer = max(1, config.stream_buffer)
@@ -243,6 +245,8 @@ class Engine:
                     now,
                 )
                 self._fewer_steps(work)
+                if req.reasoning is not None:
+                    work.reasoning = ReasoningTrack(req.reasoning)
                 works.append(work)
         except Exception:
             for work in works:
@@ -605,6 +609,9 @@ class Engine:
             limit = min(work.max_draft, room, self.runner.n_ctx_seq - cache - p.n_tokens - 1)
             if work.req.max_tokens is not None:  # the draft and the token after it
                 limit = min(limit, work.req.max_tokens - work.generated - 1)
+            left = work.reasoning.room() if work.reasoning is not None else None
+            if left is not None:  # a draft never runs past a reasoning budget
+                limit = min(limit, left - 1)
             draft = lookup.draft(limit)
             if not draft:
                 continue
@@ -722,6 +729,13 @@ class Engine:
                 work.acceptance.shadow(token == work.shadow)
                 work.shadow = None
             work.next_token = token
+            reasoning = work.reasoning
+            if (
+                reasoning is not None
+                and reasoning.spent
+                and self._close_reasoning(slot, work, reasoning, events)
+            ):
+                break
             if work.jump:
                 self._jump(slot, work, events)
             break
@@ -752,12 +766,37 @@ class Engine:
         limit = min(limit, max(1, self.runner.n_batch // (2 * len(self._slots))))
         if req.max_tokens is not None:
             limit = min(limit, req.max_tokens - work.generated)
-        forced = self.runner.force(work.sampler, limit)
-        for i, token in enumerate(forced):
+        forced = self.runner.force(work.sampler, limit - len(work.forced))
+        self._force(slot, work, forced, events)
+
+    def _force(self, slot: Slot, work: Work, tokens: list[int], events: list[Event]) -> bool:
+        """Output ``tokens`` after ``work.next_token`` without sampling them (the sampler
+        took them already); decoded with it in the next step. True if they ended it."""
+        for token in tokens:
             self._counters["forced"] += 1
             work.forced.append(token)
-            if self._take(slot, work, token, None, i + 1, events):
-                return
+            if self._take(slot, work, token, None, len(work.forced), events):
+                return True
+        return False
+
+    def _close_reasoning(
+        self, slot: Slot, work: Work, reasoning: ReasoningTrack, events: list[Event]
+    ) -> bool:
+        """The reasoning budget is spent: the family's closer comes next, forced (within
+        what the request and the context have left). True if that ended the sequence."""
+        closer = list(reasoning.limit.closer)
+        reasoning.close()
+        room = self.runner.n_ctx_seq - len(slot.cache) - 2
+        if work.req.max_tokens is not None:
+            room = min(room, work.req.max_tokens - work.generated)
+        if not closer or len(closer) > room:
+            return False
+        if not self.runner.force_tokens(work.sampler, closer):
+            log.warning("a reasoning budget's closer was refused by the sampler: not forced")
+            return False
+        self._counters["closed"] += 1
+        reasoning.tokens += len(closer)
+        return self._force(slot, work, closer, events)
 
     def _take(
         self,
@@ -777,6 +816,9 @@ class Engine:
         self._counters["generated"] += 1
         if work.lookup is not None:
             work.lookup.extend((token,))
+        reasoning = work.reasoning
+        if reasoning is not None and reasoning.active:
+            reasoning.feed(runner.token_bytes(token, True))
         reason: FinishReason | None = None
         stop_hit: str | None = None
         if runner.is_eog(token) and not req.sampling.ignore_eos:
@@ -838,6 +880,7 @@ class Engine:
             prompt_tokens=len(work.req.prompt_tokens),
             completion_tokens=work.generated,
             cached_tokens=work.cached,
+            reasoning_tokens=work.reasoning.tokens if work.reasoning is not None else 0,
             prompt_ms=(work.t_first - work.t_admit) * 1000 if work.t_first else 0.0,
             generation_ms=(now - work.t_first) * 1000 if work.t_first else 0.0,
         )
@@ -913,6 +956,7 @@ class Engine:
             drafted_tokens=self._counters["drafted"],
             accepted_tokens=self._counters["accepted"],
             forced_tokens=self._counters["forced"],
+            reasoning_closed=self._counters["closed"],
         )
 
 

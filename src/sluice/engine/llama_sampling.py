@@ -254,6 +254,24 @@ class SamplingMixin:
         self.forced_tokens += len(tokens)
         return tokens
 
+    def force_tokens(self, sampler: Any, tokens: list[int]) -> bool:
+        gate = sampler.gate
+        if gate is not None:
+            if gate.matcher.validate_tokens(tokens) != len(tokens):
+                return False
+            gate.matcher.consume_tokens(tokens)
+        if sampler.ptr is not None:
+            for token in tokens:
+                self._Q.llama_sampler_accept(sampler.ptr, token)
+        scan = sampler.scan
+        if scan is not None:
+            for token in tokens:
+                if scan.feed(self.token_bytes(token, special=True)) is not None:
+                    self._engage(sampler, scan.capture)
+                    break
+        self.forced_tokens += len(tokens)
+        return True
+
     def _sample_gated(self, sampler: Chain, row: int) -> int:
         """Sample first, then ask the grammar about the chosen token only (as llama.cpp's
         own ``common_sampler_sample`` does): the unconstrained choice is usually one the

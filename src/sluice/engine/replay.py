@@ -205,6 +205,14 @@ class ReplayRunner:
     def force(self, sampler: Any, limit: int) -> list[int]:
         return []  # no grammar runs here: the answers are recorded
 
+    def force_tokens(self, sampler: Any, tokens: list[int]) -> bool:
+        """A reasoning budget's closer: the recording goes on after its own end of the
+        reasoning (the closer's last token), as a model would write its answer next."""
+        script, end = sampler.script, tokens[-1]
+        at = next((i for i in range(sampler.pos, len(script)) if script[i] == end), None)
+        sampler.pos = len(script) if at is None else at + 1
+        return True
+
     def logprobs(self, row: int, token: int, top_n: int) -> TokenLogprob:
         piece = self.token_bytes(token, special=True)
         return TokenLogprob(piece.decode("utf-8", "replace"), token, 0.0, tuple(piece), ())

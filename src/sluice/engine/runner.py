@@ -145,6 +145,12 @@ class ModelRunner(Protocol):
         ``limit``), taken by the grammar and the chain as if sampled; [] without one."""
         ...
 
+    def force_tokens(self, sampler: Sampler, tokens: list[int]) -> bool:
+        """Take ``tokens`` as the next output without sampling them (a reasoning
+        budget's closer): the grammar, the chain and a lazy grammar's trigger see them
+        as if sampled. False, with nothing taken, if the grammar refuses them."""
+        ...
+
     def logprobs(self, row: int, token: int, top_n: int) -> TokenLogprob: ...
 
     def new_embedder(self, n_ctx: int) -> Embedder:

@@ -13,6 +13,7 @@ from typing import Protocol
 
 from sluice.core.events import Event
 from sluice.core.request import SamplingParams
+from sluice.engine.reasoning import ReasoningLimit
 
 
 @dataclass(slots=True)
@@ -33,6 +34,8 @@ class EngineRequest:
     render_special: bool = False  # control tokens as text (tool markup like [TOOL_CALLS])
     choice: int = 0
     request_id: str = ""
+    # The reasoning block: counted (usage), and closed when its budget is spent.
+    reasoning: ReasoningLimit | None = None
 
 
 class SlotState(enum.Enum):

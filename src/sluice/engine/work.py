@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from sluice.engine.prompt_cache import MIN_TOKENS
+from sluice.engine.reasoning import ReasoningTrack
 from sluice.engine.runner import Sampler
 from sluice.engine.speculate import Acceptance, PromptLookup
 from sluice.engine.text import SequenceText, Utf8Assembler
@@ -59,6 +60,7 @@ class EngineStats:
     drafted_tokens: int = 0  # prompt-lookup draft tokens decoded for verification
     accepted_tokens: int = 0  # of those, kept (the sampler chose them)
     forced_tokens: int = 0  # tokens a grammar forced, decoded without sampling
+    reasoning_closed: int = 0  # reasoning blocks closed by force when their budget ran out
 
 
 @dataclass(slots=True)
@@ -89,6 +91,7 @@ class Work:
     shadow: int | None = None  # the token a draft would have started with, not drafted
     max_draft: int = 0
     jump: bool = False
+    reasoning: ReasoningTrack | None = None  # the request's reasoning block, if it may have one
 
 
 @dataclass(slots=True)

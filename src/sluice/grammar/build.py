@@ -138,13 +138,14 @@ def tool_call_grammar(tools: list[ToolSpec], framing: CallFraming, *, max_calls:
 
 def after_reasoning(grammar: str, end: str) -> str:
     """``grammar`` after the reasoning block the prompt opened: any text up to and
-    including ``end`` (the model must close its reasoning), whitespace, then the
-    grammar's own sentences."""
+    including ``end`` (the model must close its reasoning), at most two line breaks
+    (as templates write after it: unbounded whitespace is where a small model stays
+    forever), then the grammar's own sentences."""
     assert grammar.startswith("start:")
     body = "answer:" + grammar[len("start:") :]
     head = (
         "start: thinking WS answer\n"
-        "WS: /[ \\t\\r\\n]*/\n"
+        "WS: /(\\r?\\n){0,2}/\n"
         f"thinking[stop={json.dumps(end)}]: /(.|\\n)*/\n"
     )
     return check(head + body, "tools", "grammar")

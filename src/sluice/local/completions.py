@@ -28,8 +28,10 @@ from sluice.core.request import (
     SamplingParams,
 )
 from sluice.engine.engine import Engine
+from sluice.engine.reasoning import ReasoningLimit
 from sluice.engine.types import EngineRequest
 from sluice.grammar.build import after_reasoning
+from sluice.local.budget import ReasoningBudgets
 from sluice.local.parsing import parse_stream
 from sluice.local.plan import OutputPlan, ToolLimits
 from sluice.local.prompt import ControlTextGuard
@@ -51,6 +53,7 @@ class ServiceOptions:
     prompt_special_tokens: bool = True
     tool_limits: ToolLimits = field(default_factory=ToolLimits)
     sampler: SamplerDefaults = LLAMA_CPP_SAMPLING  # for fields a request leaves out
+    budgets: ReasoningBudgets = field(default_factory=ReasoningBudgets)
 
 
 @dataclass(slots=True)
@@ -97,10 +100,14 @@ class CompletionService:
         plan = OutputPlan.build(
             body, fmt=self.format, reasoning=self.reasoning, limits=self.tool_limits
         )
+        plan.reasoning_budget = self.options.budgets.resolve(body, forced_call=plan.forced_call)
         messages = plan.prepare_messages(body.messages)
         extra = {**plan.template_extra(), **(body.template_kwargs or {})}
         if body.reasoning_effort is not None:
             extra.setdefault("reasoning_effort", body.reasoning_effort)
+        if plan.reasoning_budget == 0:  # no reasoning: the template's own switch, off
+            extra.setdefault("enable_thinking", False)
+            extra.setdefault("thinking", False)
         # Everything the request put into the prompt is text, never control tokens.
         prompt_text = self.template.render(
             self.guard.escape(messages), extra=self.guard.escape(extra)
@@ -110,6 +117,11 @@ class CompletionService:
         if plan.reasoning is not None:
             start, end = plan.reasoning.start, plan.reasoning.end
             opened = template_opens_think(prompt_text, start, end) if start else True
+            if opened and plan.reasoning_budget == 0 and start:
+                # A template that opens the block whatever it is told: closed at once, in
+                # the prompt (an empty block, as templates write "thinking off").
+                prompt_text += end
+                opened = False
             plan.reasoning_opened = opened
             lead = plan.reasoning.lead
             if opened and lead and prompt_text.endswith(lead):
@@ -118,6 +130,26 @@ class CompletionService:
                 # The prompt opened a reasoning block: the grammar engages after it.
                 plan.grammar = after_reasoning(plan.grammar, end)
         return plan, self._tokenize_prompt(prompt_text)
+
+    def _reasoning_limit(self, plan: OutputPlan) -> ReasoningLimit | None:
+        """Where the engine finds the reasoning block, and the budget's closer."""
+        syntax = plan.reasoning
+        if syntax is None or not syntax.end:
+            return None
+        budget = plan.reasoning_budget
+        closer: tuple[int, ...] = ()
+        if budget >= 0:
+            message = self.options.budgets.message
+            text = f"{message}{syntax.end}"
+            closer = tuple(self.runner.tokenize(text, add_special=False, parse_special=True))
+        ends = tuple(e.encode() for e in (syntax.end, plan.answer_start) if e)
+        return ReasoningLimit(
+            start=syntax.start.encode(),
+            ends=ends,
+            closer=closer,
+            budget=budget if budget >= 0 else None,
+            opened=plan.reasoning_opened,
+        )
 
     def prepare_chat(self, body: GenerationRequest) -> Generation:
         plan, tokens = self.chat_prompt(body)
@@ -132,6 +164,7 @@ class CompletionService:
             grammar_triggers=plan.triggers,
             grammar_trigger_words=plan.trigger_words,
         )
+        reasoning = self._reasoning_limit(plan)
         requests = [
             EngineRequest(
                 prompt_tokens=tokens,
@@ -141,6 +174,7 @@ class CompletionService:
                 logprobs=top_n,
                 choice=i,
                 render_special=plan.render_special,
+                reasoning=reasoning,
             )
             for i in range(body.n)
         ]

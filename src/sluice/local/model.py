@@ -37,6 +37,7 @@ from sluice.engine.engine import Engine
 from sluice.engine.replay import ReplayRunner
 from sluice.engine.runner import Embedder, ModelRunner
 from sluice.engine.work import EngineConfig, EngineStats
+from sluice.local.budget import ReasoningBudgets
 from sluice.local.completions import CompletionService, Generation, ServiceOptions
 from sluice.local.offload import Offload
 from sluice.local.plan import ToolLimits
@@ -119,6 +120,7 @@ def service_options(
 ) -> ServiceOptions:
     return ServiceOptions(
         sampler=sampler,
+        budgets=ReasoningBudgets.from_settings(settings),
         default_max_tokens=settings.default_max_tokens,
         tool_format=tool_format,
         prompt_special_tokens=settings.prompt_special_tokens,

@@ -89,6 +89,7 @@ class OutputPlan:
     reasoning: ReasoningSyntax | None = None
     reasoning_opened: bool = False
     reasoning_lead: str = ""  # what the prompt wrote of the opened reasoning
+    reasoning_budget: int = -1  # tokens the reasoning may take (sluice.local.budget)
     raw_tool_choice: str | dict[str, Any] | None = None
     parallel: bool = True
     syntax: ToolSyntax | None = None  # the family's own call syntax (``fmt`` "auto")
@@ -178,6 +179,13 @@ class OutputPlan:
         return () if self.trigger_tag is None else (self.trigger_tag,)
 
     @property
+    def forced_call(self) -> bool:
+        """The answer must be a call (``tool_choice`` required or a named function)."""
+        return bool(self.tools) and (
+            self.tool_choice == "required" or self.tool_choice.startswith("function:")
+        )
+
+    @property
     def uses_tools(self) -> bool:
         return bool(self.tools)
 
@@ -239,7 +247,9 @@ class OutputPlan:
                     opened=self.reasoning_opened,
                     lead=self.reasoning_lead,
                     answer=self.answer_start,
-                    interrupt=self._call_openers(),
+                    # A forced call's grammar writes calls only after the reasoning:
+                    # markup inside it is reasoning text, never a call.
+                    interrupt=() if self.forced_call and self.grammar else self._call_openers(),
                 )
             )
         if self.markup:

@@ -24,6 +24,7 @@ from sluice.config.file import ConfigFile
 from sluice.core.backend import LoadOptions, Progress
 from sluice.core.model import ModelSpec
 from sluice.engine.runner import ModelRunner
+from sluice.local.budget import ReasoningBudgets
 from sluice.local.model import LocalModel, ModelSettings
 from sluice.local.offload import Offload
 from sluice.metrics import Metrics
@@ -143,6 +144,7 @@ def build_state(
         def estimate(spec: ModelSpec, options: LoadOptions) -> int:
             return 0
 
+    ReasoningBudgets.from_settings(settings)  # a bad --reasoning-efforts: refused now
     registry = ModelRegistry(
         known,
         default=default,

@@ -79,6 +79,8 @@ def upstream_body(request: GenerationRequest, model: str) -> tuple[str, dict[str
             ("parallel_tool_calls", request.parallel_tool_calls),
             ("response_format", request.response_format),
             ("reasoning_effort", request.reasoning_effort),
+            # llama-server's (and sluice's) per-request reasoning budget
+            ("thinking_budget_tokens", request.reasoning_budget),
             # llama-server's and vLLM's name for extra chat template variables
             ("chat_template_kwargs", request.template_kwargs),
         ):
@@ -412,6 +414,8 @@ class ChunkDecoder:
             return None  # not usage we can trust: let the fold count the deltas
         details = self._usage.get("prompt_tokens_details")
         cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else None
+        out = self._usage.get("completion_tokens_details")
+        reasoning = _count(out.get("reasoning_tokens")) if isinstance(out, dict) else None
         timings = self._timings or {}
         if cached is None:
             cached = _count(timings.get("cache_n"))
@@ -420,6 +424,7 @@ class ChunkDecoder:
             prompt_tokens=prompt,
             completion_tokens=completion,
             cached_tokens=cached or 0,
+            reasoning_tokens=reasoning or 0,
             prompt_ms=_millis(timings.get("prompt_ms")),
             generation_ms=_millis(timings.get("predicted_ms")),
         )

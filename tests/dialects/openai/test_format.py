@@ -111,6 +111,7 @@ def test_chat_formatter_usage_chunk_and_continuous_usage() -> None:
         "completion_tokens": 2,
         "total_tokens": 7,
         "prompt_tokens_details": {"cached_tokens": 3},
+        "completion_tokens_details": {"reasoning_tokens": 0},
     }
     out = run(
         ChatStreamFormatter(meta(include_usage=True, continuous_usage=True)),
@@ -199,6 +200,7 @@ def test_usage_counts_shared_prompt_once() -> None:
         "completion_tokens": 6,
         "total_tokens": 11,
         "prompt_tokens_details": {"cached_tokens": 2},
+        "completion_tokens_details": {"reasoning_tokens": 0},
     }
 
 

@@ -163,6 +163,14 @@ class _Fields(_Wire):
             return None
         return {"enable_thinking": self.thinking.type != "disabled"}
 
+    def reasoning_budget(self) -> int | None:
+        """``thinking.budget_tokens`` (0 when thinking is disabled); None: not set."""
+        if self.thinking is None:
+            return None
+        if self.thinking.type == "disabled":
+            return 0
+        return self.thinking.budget_tokens
+
     def response_format(self) -> dict[str, Any] | None:
         """``output_config.format`` (structured outputs) as an OpenAI ``response_format``."""
         config = self.output_config or {}
@@ -197,6 +205,7 @@ class _Fields(_Wire):
             parallel_tool_calls=parallel,
             response_format=self.response_format(),
             template_kwargs=self.template_kwargs(),
+            reasoning_budget=self.reasoning_budget(),
             **fields,
         )
 

@@ -121,6 +121,7 @@ class GeminiFormatter:
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self._output = 0  # output tokens of every candidate (a Finish's usage corrects)
+        self._thoughts = 0  # of those, the reasoning's (from each Finish's usage)
         self._candidates: dict[int, _Candidate] = {}
         self._held: dict[str, Any] | None = None  # the newest parts' candidate record
 
@@ -186,6 +187,7 @@ class GeminiFormatter:
                 self.cached_tokens = event.usage.cached_tokens
                 self._output += event.usage.completion_tokens - candidate.tokens
                 candidate.tokens = event.usage.completion_tokens
+                self._thoughts += event.usage.reasoning_tokens
             held, self._held = self._held, None
             if held is not None and held["index"] == event.choice:
                 # The finish goes with the candidate's last parts (a client may take a
@@ -231,12 +233,13 @@ class GeminiFormatter:
 
     def usage(self) -> dict[str, Any]:
         output = self._output
-        return {
+        thoughts = min(self._thoughts, output)
+        return {  # as Gemini counts: the candidates' tokens leave the thoughts out
             "promptTokenCount": self.prompt_tokens,
-            "candidatesTokenCount": output,
+            "candidatesTokenCount": output - thoughts,
             "totalTokenCount": self.prompt_tokens + output,
             "cachedContentTokenCount": min(self.cached_tokens, self.prompt_tokens),
-            "thoughtsTokenCount": 0,
+            "thoughtsTokenCount": thoughts,
         }
 
     def response(self) -> dict[str, Any]:

@@ -55,8 +55,16 @@ class Content(_Wire):
 
 class ThinkingConfig(_Wire):
     include_thoughts: bool | None = Field(None, alias="includeThoughts")
-    thinking_budget: int | None = Field(None, alias="thinkingBudget")
+    # 0: no thinking; -1: the model's own choice (no limit); N: tokens
+    thinking_budget: int | None = Field(None, alias="thinkingBudget", ge=-1)
     thinking_level: str | None = Field(None, alias="thinkingLevel")
+
+    def effort(self) -> str | None:
+        """``thinkingLevel`` as a reasoning effort (a budget, where given, wins)."""
+        level = (self.thinking_level or "").lower()
+        if self.thinking_budget is not None or level in ("", "thinking_level_unspecified"):
+            return None
+        return level
 
 
 class GenerationConfig(_Wire):
@@ -188,6 +196,7 @@ class _Fields(_Wire):
 
     def prompt_request(self, model: str, **fields: Any) -> GenerationRequest:
         tools, choice = self.choice(self.tool_list())
+        thinking = self.generation_config.thinking_config
         return GenerationRequest(
             model=model,
             messages=self.messages(),
@@ -195,6 +204,8 @@ class _Fields(_Wire):
             tool_choice=choice,
             response_format=self.response_format(),
             template_kwargs=self.template_kwargs(),
+            reasoning_budget=thinking.thinking_budget if thinking else None,
+            reasoning_effort=thinking.effort() if thinking else None,
             **fields,
         )
 

@@ -155,6 +155,8 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     reasoning_effort: str | None = None
+    # llama-server's per-request reasoning budget (0: none, -1: no limit)
+    thinking_budget_tokens: int | None = Field(default=None, ge=-1)
     chat_template_kwargs: dict[str, Any] | None = None
     store: bool | None = None
     metadata: dict[str, Any] | None = None
@@ -190,6 +192,7 @@ class ChatCompletionRequest(_SamplingFields):
             parallel_tool_calls=self.parallel_tool_calls,
             response_format=self.response_format,
             reasoning_effort=self.reasoning_effort,
+            reasoning_budget=self.thinking_budget_tokens,
             template_kwargs=self.chat_template_kwargs,
             sampling=self.sampling_params(),
             max_tokens=self.token_limit(),

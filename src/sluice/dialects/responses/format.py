@@ -161,6 +161,7 @@ class ResponsesFormatter:
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.output_tokens = 0
+        self.reasoning_tokens = 0
         self._counted = 0
         self.failure: dict[str, Any] | None = None
         self.incomplete: dict[str, Any] | None = None
@@ -264,6 +265,7 @@ class ResponsesFormatter:
                 self.prompt_tokens = event.usage.prompt_tokens or self.prompt_tokens
                 self.cached_tokens = event.usage.cached_tokens
                 self.output_tokens = event.usage.completion_tokens
+                self.reasoning_tokens = event.usage.reasoning_tokens
             if event.reason == "length":
                 self.incomplete = {"reason": "max_output_tokens"}
             return out
@@ -321,7 +323,7 @@ class ResponsesFormatter:
                 "input_tokens": self.prompt_tokens,
                 "input_tokens_details": {"cached_tokens": cached},
                 "output_tokens": self.output_tokens,
-                "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
                 "total_tokens": self.prompt_tokens + self.output_tokens,
             }
         return {
