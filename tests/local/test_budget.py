@@ -39,10 +39,11 @@ def test_the_default_table_is_litellm_s() -> None:
     assert budgets.resolve(req()) == -1  # no limit unless asked
 
 
-def test_a_forced_call_gets_a_budget_within_half_its_max_tokens() -> None:
+def test_a_forced_call_gets_a_budget_within_a_quarter_of_its_max_tokens() -> None:
     budgets = ReasoningBudgets.from_settings(Settings())
     assert budgets.resolve(req(), forced_call=True) == 256
-    assert budgets.resolve(req(max_tokens=200), forced_call=True) == 100
+    assert budgets.resolve(req(max_tokens=200), forced_call=True) == 50
+    assert budgets.resolve(req(max_tokens=2), forced_call=True) == 1  # never 0
     assert ReasoningBudgets(default=50).resolve(req(), forced_call=True) == 50
     assert ReasoningBudgets(forced_call=-1).resolve(req(), forced_call=True) == -1
 

@@ -251,7 +251,7 @@ class Settings:
         256,
         "engine",
         "the reasoning budget of a forced call (tool_choice required or a named function) "
-        "that sets none, and at most half its max_tokens, so the call comes within them; "
+        "that sets none, and at most a quarter of its max_tokens, so the calls come within them; "
         "-1: only --reasoning-budget",
     )
     prompt_special_tokens: bool = setting(

@@ -8,7 +8,7 @@ effort, Ollama's ``think`` level, LM Studio's ``reasoning``, Gemini's
 ``thinkingLevel``), an effort mapped to tokens by a configurable table
 (``--reasoning-efforts``). Without either, the server's ``--reasoning-budget``
 holds; a forced call (``tool_choice`` required or a named function) that sets no
-budget gets ``--call-reasoning-budget``, and never more than half of its
+budget gets ``--call-reasoning-budget``, and never more than a quarter of its
 ``max_tokens``, so that the call comes within them.
 
 A budget of 0 turns reasoning off; -1 (or None) is no limit.
@@ -29,6 +29,7 @@ from sluice.core.errors import InvalidRequest
 from sluice.core.request import GenerationRequest
 
 UNLIMITED = -1
+CALL_SHARE = 4  # a forced call's default budget: at most max_tokens / this
 
 
 def parse_efforts(text: str, *, source: str = "--reasoning-efforts") -> dict[str, int]:
@@ -91,6 +92,8 @@ class ReasoningBudgets:
             if forced_call and self.forced_call >= 0:
                 budget = self.forced_call if budget < 0 else min(budget, self.forced_call)
                 if body.max_tokens is not None and budget > 0:
-                    # (never 0 by this: only a request turns reasoning off)
-                    budget = min(budget, max(1, body.max_tokens // 2))
+                    # The rest is the calls': a family's markup in a vocabulary without
+                    # it as tokens takes ~50 a call (MiniMax-M2 on SmolLM2). Never 0 by
+                    # this: only a request turns reasoning off.
+                    budget = min(budget, max(1, body.max_tokens // CALL_SHARE))
         return budget
