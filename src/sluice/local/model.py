@@ -452,6 +452,7 @@ class LocalModel:
             "accepted_tokens": stats.accepted_tokens,
             "acceptance": round(stats.accepted_tokens / drafted, 4) if drafted else None,
             "forced_tokens": stats.forced_tokens,
+            "reasoning_closed": stats.reasoning_closed,  # blocks closed on their budget
         }
 
     def _grammar_health(self) -> dict[str, Any] | None:

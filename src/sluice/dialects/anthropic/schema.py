@@ -164,11 +164,11 @@ class _Fields(_Wire):
         return {"enable_thinking": self.thinking.type != "disabled"}
 
     def reasoning_budget(self) -> int | None:
-        """``thinking.budget_tokens`` (0 when thinking is disabled); None: not set."""
-        if self.thinking is None:
+        """``thinking.budget_tokens`` when enabled; None: not set. (``disabled`` is the
+        template's switch, :meth:`template_kwargs`: reasoning a model writes anyway is
+        still read as reasoning, as llama.cpp reads it.)"""
+        if self.thinking is None or self.thinking.type != "enabled":
             return None
-        if self.thinking.type == "disabled":
-            return 0
         return self.thinking.budget_tokens
 
     def response_format(self) -> dict[str, Any] | None:
