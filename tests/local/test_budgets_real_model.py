@@ -5,6 +5,7 @@ an answer follows, and usage counts the reasoning tokens."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -136,3 +137,28 @@ def test_openai_reasoning_effort_through_the_table(base: str) -> None:
             max_tokens=8,
         )
     assert "reasoning_effort" in str(err.value) and "400" in str(err.value)
+
+
+def test_a_budget_closes_the_block_before_a_json_answer(base: str) -> None:
+    """The grammar takes the forced closer as the end of its reasoning part: the answer
+    is the schema's, and the budget is llama-server's per-request field."""
+    client = OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+        "required": ["city"],
+    }
+    done = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Which city is the capital of France?"}],
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+        max_tokens=80,
+        temperature=0.7,
+        seed=3,
+        extra_body={"thinking_budget_tokens": 16},
+    )
+    out: Any = done.choices[0]
+    assert out.finish_reason == "stop", out.message
+    assert json.loads(out.message.content)["city"] in ("Paris", "Rome")
+    assert done.usage and done.usage.completion_tokens_details
+    within(done.usage.completion_tokens_details.reasoning_tokens or 0, 16)
