@@ -216,14 +216,14 @@ def test_no_slot_shows_idle_while_a_request_waits() -> None:
     show the freed slot idle beside the queued request for that whole step.
     """
     runner = ScriptedRunner(step_delay=0.05)
-    runner.scripts["A"] = [b"a"] * 4
+    runner.scripts["A"] = [b"a"] * 8
     runner.scripts["B"] = [b"b"] * 4
     with scripted_server(runner, parallel=1, queue=2) as base:
-        seen: list[dict[str, Any]] = []
         a = Background(lambda: httpx.post(base + TEXT, json={"prompt": "A"}, timeout=20))
         wait_until(lambda: health(base)["slots"]["active"] == 1)
         b = Background(lambda: httpx.post(base + TEXT, json={"prompt": "B"}, timeout=20))
-        health_when(base, lambda s: s["queued"] == 1)
+        # (on a loaded machine the loop below may start only after A is done)
+        seen: list[dict[str, Any]] = [health_when(base, lambda s: s["queued"] == 1)["slots"]]
         while not b.done():
             seen.append(health(base)["slots"])
         assert a.result().status_code == 200 and b.result().status_code == 200

@@ -256,3 +256,20 @@ def test_ignore_eos_gives_way_to_a_complete_grammar(runner: LlamaRunner) -> None
     params = SamplingParams(temperature=0.0, ignore_eos=True, grammar='start: "{}"')
     text, _ = generate(runner, params, "JSON:", 12)
     assert text == "{}", text
+
+
+def test_a_forced_closer_runs_on_past_the_reasoning_s_stop_string(runner: LlamaRunner) -> None:
+    """A budget's closer ("</think>" and the line break after it) is taken whole by a
+    grammar whose reasoning ends at the stop string "</think>" (llguidance's own
+    validate_tokens stops counting where the stop string ends); a closer the grammar
+    refuses part of is not taken at all."""
+    grammar = 'start: thinking "\\n" "yes"\nthinking[stop="</think>"]: /(.|\\n)*/\n'
+    sampler = runner.new_sampler(SamplingParams(temperature=0.0, grammar=grammar), [1])
+    closer = runner.tokenize("</think>\n", add_special=False, parse_special=False)
+    wrong = runner.tokenize("</think>no", add_special=False, parse_special=False)
+    assert len(closer) > 1
+    assert not runner.force_tokens(sampler, wrong)
+    assert runner.force_tokens(sampler, closer)
+    yes = runner.tokenize("yes", add_special=False, parse_special=False)
+    assert runner.force_tokens(sampler, yes)
+    assert sampler.gate is not None and sampler.gate.matcher.is_accepting()

@@ -20,6 +20,7 @@ their template does.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 
@@ -183,3 +184,24 @@ class OutputFormat:
     opening: str = ""
     # Markup the model writes as special tokens, to keep in the text it returns.
     special: tuple[str, ...] = field(default=())
+
+
+# Markup's pieces: a tag (or its opening part), a bracketed word, a closing ] or >, or a
+# run of other text; whitespace may come between any two (models space markup freely).
+_PIECE = re.compile(r"<[^<>\s]*>?|\[[^\[\]\s]*\]?|[\]>]|[^<\[\]>\s]+")
+
+
+def chunks(text: str) -> list[str]:
+    """``text``'s pieces of markup, whitespace dropped."""
+    return _PIECE.findall(text)
+
+
+def first_chunk(text: str) -> str:
+    """The first piece of markup in ``text`` ("" for whitespace only)."""
+    found = _PIECE.search(text)
+    return found.group() if found else ""
+
+
+def regex_text(text: str) -> str:
+    """``text`` as a regex (in a grammar's ``/.../``) that matches it alone."""
+    return "".join(c if c.isalnum() and c.isascii() else f"\\x{{{ord(c):x}}}" for c in text)

@@ -257,9 +257,12 @@ class SamplingMixin:
     def force_tokens(self, sampler: Any, tokens: list[int]) -> bool:
         gate = sampler.gate
         if gate is not None:
-            if gate.matcher.validate_tokens(tokens) != len(tokens):
+            # On a copy (llguidance's validate_tokens stops where a lazy text's stop
+            # string ends, as "</think>" ends the reasoning): all of them or none.
+            probe = gate.matcher.deep_copy()
+            if probe.try_consume_tokens(tokens) != len(tokens) or probe.is_error():
                 return False
-            gate.matcher.consume_tokens(tokens)
+            gate.matcher = probe
         if sampler.ptr is not None:
             for token in tokens:
                 self._Q.llama_sampler_accept(sampler.ptr, token)

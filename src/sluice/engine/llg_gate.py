@@ -34,6 +34,7 @@ import numpy.typing as npt
 
 from sluice.core.deepstack import run_deep
 from sluice.core.errors import InvalidRequest
+from sluice.core.syntax import regex_text
 
 
 class Gate:
@@ -105,15 +106,19 @@ def with_special_tokens(lark: str, special: dict[str, int]) -> str:
             parts.append(json.dumps(text[at:], ensure_ascii=False))
         return "(" + " ".join(parts) + ")"
 
-    lines = []
+    lines: list[str] = []
     for line in lark.split("\n"):
         lazy = _LAZY_TEXT.match(line)
-        if lazy is not None and find.match(json.loads(lazy.group(2))):
+        head = find.match(json.loads(lazy.group(2))) if lazy is not None else None
+        if lazy is not None and head is not None:
             # Text up to closing markup that opens with a control token: the text cannot
             # hold the token, so it runs until the token comes (a stop string is text
-            # and would never see it).
+            # and would never see it). Nor may it hold the token's text: a reader of
+            # the output sees the same characters either way, and takes the first.
             closing = _LITERAL.sub(literal, lazy.group(2))
-            lines.append(f"{lazy.group(1)}: {lazy.group(3)} {closing}")
+            text = f"LAZY_TEXT_{len(lines)}"
+            lines.append(f"{lazy.group(1)}: {text} {closing}")
+            lines.append(f"{text}: {lazy.group(3)} & ~/(.|\\n)*{regex_text(head.group())}(.|\\n)*/")
         elif "%json" in line or "[stop=" in line:
             lines.append(line)
         else:

@@ -21,6 +21,7 @@ from typing import Any
 
 from sluice.core.deepstack import run_deep
 from sluice.core.errors import InvalidRequest
+from sluice.core.syntax import regex_text
 from sluice.grammar.spec import CallFraming, ToolSpec
 
 # How the JSON is written: one space after a comma and a colon, as json.dumps does
@@ -136,16 +137,27 @@ def tool_call_grammar(tools: list[ToolSpec], framing: CallFraming, *, max_calls:
     return check(grammar, "tools", "tool grammar")
 
 
-def after_reasoning(grammar: str, end: str) -> str:
+def after_reasoning(grammar: str, end: str, also: tuple[str, ...] = ()) -> str:
     """``grammar`` after the reasoning block the prompt opened: any text up to and
     including ``end`` (the model must close its reasoning), at most two line breaks
     (as templates write after it: unbounded whitespace is where a small model stays
-    forever), then the grammar's own sentences."""
+    forever), then the grammar's own sentences. The reasoning holds none of ``also``
+    (markup a reader takes for the reasoning's end: the answer's opening)."""
     assert grammar.startswith("start:")
     body = "answer:" + grammar[len("start:") :]
     head = (
         "start: thinking WS answer\n"
         "WS: /(\\r?\\n){0,2}/\n"
-        f"thinking[stop={json.dumps(end)}]: /(.|\\n)*/\n"
+        f"thinking[stop={json.dumps(end)}]: {lazy_text(also)}\n"
     )
     return check(head + body, "tools", "grammar")
+
+
+def lazy_text(without: tuple[str, ...] = ()) -> str:
+    """The regex of text up to a stop string (``name[stop="..."]: <this>``) that holds
+    none of ``without``."""
+    without = tuple(w for w in without if w)
+    if not without:
+        return "/(.|\\n)*/"
+    held = "|".join(regex_text(w) for w in without)
+    return f"/(.|\\n)*/ & ~/(.|\\n)*({held})(.|\\n)*/"

@@ -36,6 +36,7 @@ from sluice.core.syntax import (
     Recipient,
     TaggedArgs,
     ToolSyntax,
+    first_chunk,
 )
 from sluice.grammar.build import _literal, _schema, check
 from sluice.grammar.spec import ToolSpec
@@ -195,9 +196,12 @@ def _value(
         # One of the listed strings, written as it is.
         rules.append(f"{value}: " + " | ".join(_literal(str(c)) for c in choices))
     elif stringy:
-        # Any text up to the closing markup (a lazy lexeme: it ends at the first one).
-        rules.append(f"{value}[stop={json.dumps(closing)}]: /(.|\\n)*/")
-        return value
+        # Any text up to the closing markup's tag (a lazy lexeme: it ends at the first
+        # one, as the reader does; a closing tag named by the key is matched whole), then
+        # the rest of the closing. Whitespace before the tag is the value's own text.
+        tag = closing if KEY_NAME in spec.value_suffix else first_chunk(closing)
+        rules.append(f"{value}[stop={json.dumps(tag)}]: /(.|\\n)*/")
+        return f"{value} {_lit(closing.partition(tag)[2])}"
     elif spec.nested and isinstance(alternatives, list) and alternatives:
         options = [
             _value(spec, f"{name}_{k}", a if isinstance(a, dict) else {}, closing, tool, rules)
@@ -330,33 +334,6 @@ def _generic(kind: str, rules: list[str]) -> str:
     if kind == "gemma":
         rules.append(f"gemma_text[stop={json.dumps(GEMMA_QUOTE)}]: /(.|\\n)*/")
     string, true, false, null, sep, key, colon = _NOTATIONS[kind]
-    rules.append(
-        f"{name}: {string} | {_NUMBER} | {true} | {false} | {null}"
-        f' | "[" ({name} ({sep} {name})*)? "]"'
-        f' | "{{" ({key} {colon} {name} ({sep} {key} {colon} {name})*)? "}}"'
-    )
-    return name
-    if kind == "py":
-        string, true, false, null, sep, key = (
-            _JSON_STRING,
-            '"True"',
-            '"False"',
-            '"None"',
-            '", "',
-            _JSON_STRING,
-        )
-        colon = '": "'
-    else:
-        rules.append(f"gemma_text[stop={json.dumps(GEMMA_QUOTE)}]: /(.|\\n)*/")
-        string = f"{_literal(GEMMA_QUOTE)} gemma_text"
-        true, false, null, sep, key, colon = (
-            '"true"',
-            '"false"',
-            '"null"',
-            '","',
-            "/[A-Za-z_][A-Za-z0-9_.-]*/",
-            '":"',
-        )
     rules.append(
         f"{name}: {string} | {_NUMBER} | {true} | {false} | {null}"
         f' | "[" ({name} ({sep} {name})*)? "]"'

@@ -128,7 +128,8 @@ class CompletionService:
                 plan.reasoning_lead = lead
             if opened and plan.grammar is not None and not plan.triggers:
                 # The prompt opened a reasoning block: the grammar engages after it.
-                plan.grammar = after_reasoning(plan.grammar, end)
+                also = (plan.answer_start,)  # the reader ends reasoning there too
+                plan.grammar = after_reasoning(plan.grammar, end, also)
         return plan, self._tokenize_prompt(prompt_text)
 
     def _reasoning_limit(self, plan: OutputPlan) -> ReasoningLimit | None:

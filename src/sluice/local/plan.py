@@ -25,7 +25,7 @@ from typing import Any
 
 from sluice.core.errors import InvalidRequest
 from sluice.core.request import GenerationRequest
-from sluice.core.syntax import OutputFormat, ReasoningSyntax, ToolSyntax
+from sluice.core.syntax import OutputFormat, ReasoningSyntax, ToolSyntax, first_chunk
 from sluice.grammar import (
     CallFraming,
     ToolSpec,
@@ -36,7 +36,6 @@ from sluice.grammar import (
 from sluice.grammar.native import supports, syntax_grammar
 from sluice.parsers import generic
 from sluice.parsers.base import StreamParser
-from sluice.parsers.elements import first_chunk
 from sluice.parsers.formatted import FormatParser, openers
 from sluice.parsers.harmony import HarmonyParser
 from sluice.parsers.markup import MarkupStripper, Prepend
@@ -252,13 +251,13 @@ class OutputPlan:
                     interrupt=() if self.forced_call and self.grammar else self._call_openers(),
                 )
             )
-        if self.markup:
-            chain.append(MarkupStripper(choice, self.markup))
         if self.uses_tools:
             if self.syntax is not None:
                 chain.append(FormatParser(choice, self.syntax, _parameter_types(self.tools)))
             else:
                 chain.append(tool_parser(self.fmt, choice))
+        if self.markup:  # after the calls: an argument may hold any text
+            chain.append(MarkupStripper(choice, self.markup))
         return chain
 
 
@@ -291,7 +290,8 @@ def _call_grammar(
         for i, t in enumerate(tools)
         if only is None or t["function"]["name"] == only
     ]
-    max_calls = _max_calls(parallel, len(specs))
+    # gpt-oss ends a call's message with <|call|>, which ends its turn: one call a turn.
+    max_calls = 1 if fmt == "harmony" else _max_calls(parallel, len(specs))
     if syntax is not None:
         return syntax_grammar(specs, syntax, max_calls=max_calls, opened=opening)
     return tool_call_grammar(specs, FRAMINGS[fmt], max_calls=max_calls)

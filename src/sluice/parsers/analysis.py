@@ -35,8 +35,8 @@ from sluice.core.syntax import (
     ReasoningSyntax,
     TaggedArgs,
     ToolSyntax,
+    first_chunk,
 )
-from sluice.parsers.elements import first_chunk
 
 Render = Callable[[list[dict[str, Any]], bool, dict[str, Any]], str]
 """``render(messages, add_generation_prompt, extra_variables) -> prompt``; raises on a

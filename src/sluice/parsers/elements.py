@@ -34,6 +34,8 @@ from sluice.core.syntax import (
     TYPE_NAME,
     CallObject,
     TaggedArgs,
+    chunks,
+    first_chunk,
 )
 from sluice.parsers.common import WHITESPACE, partial_tag_len
 from sluice.parsers.jsonscan import ArgsCollector, ToolCallScanner
@@ -55,22 +57,6 @@ def skip_ws(text: str, i: int) -> int:
     while i < n and text[i] in WHITESPACE:
         i += 1
     return i
-
-
-# Markup's pieces: a tag (or its opening part), a bracketed word, a closing ] or >, or a
-# run of other text; whitespace may come between any two (models space markup freely).
-_PIECE = re.compile(r"<[^<>\s]*>?|\[[^\[\]\s]*\]?|[\]>]|[^<\[\]>\s]+")
-
-
-def chunks(text: str) -> list[str]:
-    """``text``'s pieces of markup, whitespace dropped."""
-    return _PIECE.findall(text)
-
-
-def first_chunk(text: str) -> str:
-    """The first piece of markup in ``text`` ("" for whitespace only)."""
-    found = _PIECE.search(text)
-    return found.group() if found else ""
 
 
 class LitReader:
@@ -233,6 +219,49 @@ class _Tag(enum.Enum):
 _READ_STATES = frozenset((_Tag.KEY, _Tag.VALUE, _Tag.FLAG, _Tag.CDATA))  # not literal markup
 
 
+class JsonStrings:
+    """Whether a JSON value written so far is inside one of its strings, where its
+    closing markup is text of the string (``{"html": "</arg_value>"}``). Only for a
+    value that opens as JSON's structures do (a bare word has no strings)."""
+
+    __slots__ = ("_escape", "_in_string", "_kind")
+
+    def __init__(self) -> None:
+        self._kind = ""  # the value's first character
+        self._in_string = False
+        self._escape = False
+
+    def take(self, text: str) -> None:
+        """Go on over ``text`` (what the value has taken)."""
+        self._kind, self._in_string, self._escape = self._over(text)
+
+    def _over(self, text: str) -> tuple[str, bool, bool]:
+        kind, in_string, escape = self._kind, self._in_string, self._escape
+        if not kind:
+            head = text.lstrip()
+            if not head:
+                return kind, in_string, escape
+            kind = head[0]
+        if kind not in '{["':
+            return kind, in_string, escape
+        for c in text:
+            if escape:
+                escape = False
+            elif c == "\\":
+                escape = in_string
+            elif c == '"':
+                in_string = not in_string
+        return kind, in_string, escape
+
+    def find(self, stop: str, text: str, i: int) -> int:
+        """The first ``stop`` in ``text`` from ``i`` on that is not inside a string
+        (-1 if none); nothing is taken."""
+        at = text.find(stop, i)
+        while at != -1 and self._over(text[i:at])[1]:
+            at = text.find(stop, at + 1)
+        return at
+
+
 class TaggedArgsReader:
     """Arguments in markup, as a JSON object. A string parameter's value streams as it
     is written; other values go out once complete."""
@@ -243,6 +272,7 @@ class TaggedArgsReader:
         "_end_text",
         "_flag",
         "_fresh",
+        "_json",
         "_key",
         "_lit",
         "_mark",
@@ -276,6 +306,7 @@ class TaggedArgsReader:
         self._stringy = False
         self._flag: bool | None = None  # what the markup said (STRING_FLAG), if it says
         self._fresh = False  # at a value's first character (where CDATA may open)
+        self._json = JsonStrings()  # where a JSON value's strings are
         # where the key's markup says what the value is (STRING_FLAG or TYPE_NAME)
         self._mark = next((m for m in (STRING_FLAG, TYPE_NAME) if m in spec.key_suffix), "")
         self._out = ""
@@ -379,9 +410,13 @@ class TaggedArgsReader:
                 self._fresh = False
             # VALUE (up to its closing markup) or CDATA (up to "]]>", then the closing)
             stop = CDATA_CLOSE if state is _Tag.CDATA else self._suffix
-            at = text.find(stop, i) if stop else -1
+            if state is _Tag.VALUE and not self._stringy and stop:
+                at = self._json.find(stop, text, i)  # not inside one of its strings
+            else:
+                at = text.find(stop, i) if stop else -1
             if at == -1:
                 keep = 0 if final else partial_tag_len(text[i:], (stop,))
+                self._json.take(text[i : n - keep])
                 self._value += text[i : n - keep]
                 if not final:
                     self._stream_value()
@@ -389,6 +424,7 @@ class TaggedArgsReader:
                 self._end_value()
                 self._out += "}"
                 return n, DONE
+            self._json.take(text[i:at])
             self._value += text[i:at]
             self._end_value()
             self._lit = LitReader(self._closing)
@@ -420,6 +456,7 @@ class TaggedArgsReader:
 
     def _start_value(self) -> None:
         self._state, self._value, self._sent_value = _Tag.VALUE, "", 0
+        self._json = JsonStrings()
         self._fresh = self.spec.cdata
 
     def _stream_value(self) -> None:
@@ -437,7 +474,10 @@ class TaggedArgsReader:
             value = value[: -len(tail)]
         if self._stringy:
             self._out += _escape(value[self._sent_value :]) + '"'
-        elif self.spec.nested and value.lstrip().startswith(self.spec.key_prefix):
+        elif self.spec.nested and (
+            value.lstrip().startswith(self.spec.key_prefix)
+            or (not value.strip() and _structured(self.types.get(self._key)))
+        ):  # markup inside: an object's members or an array's items (maybe none)
             schema = self.types.get(self._key)
             nested = _markup_value(value, schema if isinstance(schema, dict) else {}, self.spec)
             self._out += json.dumps(nested, ensure_ascii=False)
@@ -516,7 +556,7 @@ def _markup_value(text: str, schema: dict[str, Any], spec: TaggedArgs) -> Any:
     alternatives = schema.get("anyOf") or schema.get("oneOf")
     if alternatives:
         schema = next((a for a in alternatives if isinstance(a, dict) and _fits(tags, a)), {})
-    if tags is None:
+    if tags is None or _is_string(schema):  # an empty string is no empty object
         return json.loads(_typed(text)) if not _is_string(schema) else text
     if schema.get("type") == "array" or (not schema and tags and all(t == "item" for t, _ in tags)):
         items = schema.get("items")
@@ -528,6 +568,11 @@ def _markup_value(text: str, schema: dict[str, Any], spec: TaggedArgs) -> Any:
         sub = props.get(tag)
         out[tag] = _markup_value(inside, sub if isinstance(sub, dict) else {}, spec)
     return out
+
+
+def _structured(schema: Any) -> bool:
+    """Whether ``schema`` says array or object (an empty value is then one with nothing in it)."""
+    return isinstance(schema, dict) and schema.get("type") in ("array", "object")
 
 
 def _typed(value: str) -> str:

@@ -36,6 +36,8 @@ from sluice.core.syntax import (
     Recipient,
     TaggedArgs,
     ToolSyntax,
+    chunks,
+    first_chunk,
 )
 from sluice.parsers.common import CallEmitter, ContentGate, content_holdback, find_first
 from sluice.parsers.elements import (
@@ -50,8 +52,6 @@ from sluice.parsers.elements import (
     PythonArgsReader,
     Status,
     TaggedArgsReader,
-    chunks,
-    first_chunk,
     skip_ws,
 )
 
@@ -65,14 +65,28 @@ def openers(syntax: ToolSyntax) -> tuple[str, ...]:
     where a section opens the calls (a model that leaves the section out)."""
     pieces = chunks(syntax.opener)
     out = pieces[:1]
-    if len(pieces) > 1 and pieces[-1].startswith("<") and len(pieces[-1]) > 2:
-        out.append(pieces[-1])
+    last = pieces[-1]
+    if len(pieces) > 1 and last.startswith("<") and len(last) > 2 and not _recurs(last, syntax):
+        out.append(last)
     first = syntax.call[0] if syntax.call else None
     if syntax.section_start and isinstance(first, Lit):
         head = first_chunk(first.text)
         if head.startswith("<") and len(head) > 2:
             out.append(head)
     return tuple(dict.fromkeys(out))
+
+
+def _recurs(piece: str, syntax: ToolSyntax) -> bool:
+    """Whether ``piece`` is also written elsewhere in the calls' markup (Kimi K3's
+    ``<|sep|>`` closes every tag): no sign of a call on its own."""
+    texts = [syntax.section_end, syntax.separator]
+    for element in syntax.call[1:]:
+        if isinstance(element, Lit):
+            texts.append(element.text)
+        elif isinstance(element, TaggedArgs):
+            texts += [element.key_prefix, element.key_suffix, element.value_prefix]
+            texts.append(element.value_suffix)
+    return any(piece in text for text in texts)
 
 
 class _State(enum.Enum):
@@ -359,7 +373,11 @@ class FormatParser:
         buf = self._buf
         i = skip_ws(buf, 0)
         rest = buf[i:]
-        head = syntax.call[0].text if isinstance(syntax.call[0], Lit) else ""
+        first = syntax.call[0]
+        # the next call's opening: its markup, or a call object's brace (MiniMax-M1)
+        head = (
+            first.text if isinstance(first, Lit) else "{" if isinstance(first, CallObject) else ""
+        )
         options = [
             (first_chunk(syntax.section_end), "close", syntax.section_end),
             (first_chunk(syntax.separator), "sep", syntax.separator),

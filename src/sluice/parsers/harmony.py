@@ -25,6 +25,7 @@ import re
 
 from sluice.core.events import Event, ReasoningDelta, TextDelta
 from sluice.parsers.common import CallEmitter, partial_tag_len
+from sluice.parsers.elements import JsonStrings
 
 MESSAGE = "<|message|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>")
@@ -43,7 +44,7 @@ class _State(enum.Enum):
 class HarmonyParser:
     """Streaming parser for gpt-oss's channels (reasoning, answer and calls together)."""
 
-    __slots__ = ("_buf", "_calls", "_kind", "_sent", "_state", "choice")
+    __slots__ = ("_buf", "_calls", "_json", "_kind", "_sent", "_state", "choice")
 
     def __init__(self, choice: int, id_prefix: str = "call_") -> None:
         self.choice = choice
@@ -51,6 +52,7 @@ class HarmonyParser:
         self._state = _State.HEADER
         self._buf = ""
         self._kind = ""  # the body's route: reasoning | content | call | drop
+        self._json = JsonStrings()  # where a call's arguments have their strings
         self._sent = False  # anything sent yet (leading whitespace of the answer dropped)
 
     @property
@@ -100,6 +102,7 @@ class HarmonyParser:
         recipient = recipients[-1] if recipients else ""
         if recipient.startswith("functions."):
             self._kind = "call"
+            self._json = JsonStrings()
             events += self._calls.start(recipient.removeprefix("functions."))
         elif recipient:
             self._kind = "drop"
@@ -112,7 +115,11 @@ class HarmonyParser:
 
     def _body(self, events: list[Event], final: bool) -> bool:
         buf = self._buf
-        hits = [(buf.find(e), e) for e in ENDS if e in buf]
+        if self._kind == "call":  # JSON: an end's text inside one of its strings is text
+            hits = [(self._json.find(e, buf, 0), e) for e in ENDS]
+        else:
+            hits = [(buf.find(e), e) for e in ENDS]
+        hits = [(at, e) for at, e in hits if at != -1]
         if hits:
             at, end = min(hits)
             events += self._route(self._kind, buf[:at])
@@ -124,6 +131,7 @@ class HarmonyParser:
             self._state = _State.HEADER
             return True
         keep = partial_tag_len(buf, ENDS)
+        self._json.take(buf[: len(buf) - keep])
         events += self._route(self._kind, buf[: len(buf) - keep])
         self._buf = buf[len(buf) - keep :]
         return False
