@@ -129,7 +129,7 @@ REQUESTS: list[tuple[str, Any, bool | None]] = [
     ("types", "required", None),
 ]
 SAMPLES = {
-    "markers": int(os.environ.get("SAMPLES", "1000")),
+    "markers": int(os.environ.get("SAMPLES", "600")),
     "model": int(os.environ.get("MODEL_SAMPLES", "60")),
 }
 FORMATS = formats()

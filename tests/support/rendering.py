@@ -44,6 +44,7 @@ from sluice.local.plan import FRAMINGS, OutputPlan
 
 _NUMBER = r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
 _JSON_STRING = r'"(?:[^"\\]|\\.)*"'
+_MADE_UP = re.compile(r"call_[0-9a-f]{24}")  # an id the parser made up
 
 
 @dataclass
@@ -176,7 +177,13 @@ def _call(p: Pattern, syntax: ToolSyntax, call: tuple[str, str, Any], schema: An
             p.group("[A-Za-z0-9]{9}")
         elif isinstance(element, IdName):
             p.lit(element.prefix + name + element.sep)
-            p.group("[0-9]{1,3}", lambda s, i=call_id, e=element: i == e.prefix + name + e.sep + s)
+            # the model's id, or one the parser made up for an id written twice
+            p.group(
+                "[0-9]{1,3}",
+                lambda s, i=call_id, e=element: (
+                    i == e.prefix + name + e.sep + s or _MADE_UP.fullmatch(i) is not None
+                ),
+            )
         elif isinstance(element, Index):
             p.group("[1-9][0-9]{0,2}")
         elif isinstance(element, JsonArgs):
