@@ -131,7 +131,8 @@ class HarmonyParser:
             self._state = _State.HEADER
             return True
         keep = partial_tag_len(buf, ENDS)
-        self._json.take(buf[: len(buf) - keep])
+        if self._kind == "call":
+            self._json.take(buf[: len(buf) - keep])
         events += self._route(self._kind, buf[: len(buf) - keep])
         self._buf = buf[len(buf) - keep :]
         return False
