@@ -40,32 +40,20 @@ import json
 import random
 import re
 import secrets
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness import CACHE, RESULTS, client, model_path, report
+from harness import RESULTS, client, model_path, report
+from harness.litellm import LITELLM_ENV, LITELLM_PACKAGES, LITELLM_VERSION, ensure_litellm
 from harness.machine import Noise, loadavg, machine_info, proc_cpu_seconds
 from harness.prompts import QUESTIONS, SYSTEM_TOPICS
 from harness.raw import quiet_llama_log
 from harness.servers import SLUICE, Server, free_port, models_env
 from harness.stats import med, pct, rotated
 
-# LiteLLM's PyPI releases 1.82.7/1.82.8 (2026-03) and 1.107.0 (2026-10-21) were
-# compromised; LiteLLM's notice for the latter asks to pin 1.106.2. Raise this pin only
-# to a release checked against the maintainers' security notices.
-LITELLM_VERSION = "1.106.2"
-LITELLM_PACKAGES = [f"litellm[proxy]=={LITELLM_VERSION}", "httptools==0.9.0"]
-LITELLM_VENV = CACHE / "litellm-venv"
-BAD_PTH = {"litellm_init.pth", "cook.pth"}  # the incidents' startup hooks
-LITELLM_ENV = {
-    "LITELLM_LOG": "ERROR",  # also uvicorn's level: no access log
-    "LITELLM_MODE": "PRODUCTION",  # no .env loading
-    "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # no fetch at start
-}
 LITELLM_YAML = """\
 model_list:
   - model_name: up-smollm2
@@ -86,25 +74,6 @@ MODEL = {"direct": "smollm2", "sluice": "up-smollm2", "litellm": "up-smollm2"}
 LEVELS = (1, 8)
 STREAMS = 8  # per measurement, in waves of the concurrency
 TARGETS = {"added_ttft_p50_ms": 2.0, "throughput_ratio": 0.98}
-
-
-def ensure_litellm() -> Path:
-    """LiteLLM's venv (outside the repo), set up on first use; returns its ``litellm``."""
-    exe, stamp = LITELLM_VENV / "bin" / "litellm", LITELLM_VENV / ".sluice-bench-stamp"
-    want = " ".join(LITELLM_PACKAGES)
-    if not (exe.exists() and stamp.exists() and stamp.read_text().strip() == want):
-        print(f"router: setting up LiteLLM in {LITELLM_VENV}", flush=True)
-        if not (LITELLM_VENV / "bin" / "python").exists():
-            print(f"router:   {sys.executable} -m venv {LITELLM_VENV}", flush=True)
-            subprocess.run([sys.executable, "-m", "venv", str(LITELLM_VENV)], check=True)
-        print(f"router:   pip install {want} (a few minutes)", flush=True)
-        pip = [str(LITELLM_VENV / "bin" / "python"), "-m", "pip", "install", "-q"]
-        subprocess.run([*pip, *LITELLM_PACKAGES], check=True)
-        stamp.write_text(want + "\n")
-    bad = {p.name for p in LITELLM_VENV.glob("lib/python*/site-packages/*.pth")} & BAD_PTH
-    if bad:
-        sys.exit(f"router: {LITELLM_VENV} holds {sorted(bad)}: compromised, not run")
-    return exe
 
 
 def start_servers(tmp: Path, key: str, paths: tuple[str, ...]) -> dict[str, Server]:
