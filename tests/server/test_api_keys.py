@@ -21,6 +21,7 @@ from sluice.config import Settings
 from sluice.models.catalog import ConfigError, load_config
 from sluice.server.app import OLLAMA_PATHS, create_app
 from sluice.server.auth import ApiKeys, BearerAuth, key_name, parse_env_keys
+from sluice.server.sse import RawSend
 from tests.support.fakes import ScriptedRunner
 from tests.support.helpers import scripted_server
 from tests.support.servers import serve_app
@@ -233,8 +234,8 @@ def keyed() -> Iterator[tuple[str, list[tuple[str, str]]]]:
         Settings(model="scripted", api_key=CAROL, api_keys=f"alice:{ALICE},bob:{BOB}"),
         runner_factory=lambda s: ScriptedRunner(),
     )
-    assert isinstance(app, BearerAuth)
-    routes = list(paths_and_methods(app.app.routes))
+    assert isinstance(app, RawSend) and isinstance(app.app, BearerAuth)
+    routes = list(paths_and_methods(app.app.app.routes))
     with serve_app(app) as base:
         yield base, routes
 

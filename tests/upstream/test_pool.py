@@ -2,7 +2,7 @@
 
 Real loopback servers (:class:`FakeUpstream`, raw HTTP/1.1 on asyncio) for what
 only sockets show: refused connections, stalls, drops, aborts, keep-alive;
-``httpx.MockTransport`` for scripted answers (statuses, headers, counts).
+the same servers with scripted answers (statuses, headers, counts).
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import httpx
 import pytest
 
 from sluice.core.errors import UpstreamFailed, UpstreamTimeout, UpstreamUnavailable
 from sluice.upstream import pool as pool_module
+from sluice.upstream import wire
 from sluice.upstream.config import UpstreamSpec
 from sluice.upstream.pool import UpstreamPool
 from tests.support.servers import free_port
@@ -69,6 +69,10 @@ class FakeUpstream:
     def __init__(self, models: tuple[str, ...] = ("m1",)) -> None:
         self.models = models
         self.chat = "ok"
+        # Scripted: a POST answered with (status, headers, body) from this.
+        self.answer: Callable[[FakeUpstream], tuple[int, dict[str, str], bytes]] | None = None
+        self.listing: bytes | None = None  # GET /v1/models answered with this instead
+        self.gets: list[tuple[str, dict[str, str]]] = []
         self.posts: list[tuple[str, dict[str, str], bytes]] = []
         self.checks = 0
         self.connections = 0
@@ -130,14 +134,20 @@ class FakeUpstream:
                 key, value = line.split(":", 1)
                 headers[key.strip().lower()] = value.strip()
         body = await reader.readexactly(int(headers.get("content-length", "0")))
-        if method == "GET" and path == "/v1/models":
+        if method == "GET" and path.endswith("/v1/models"):
             self.checks += 1
+            self.gets.append((path, headers))
             data = [{"id": m, "object": "model", "owned_by": "fake"} for m in self.models]
-            payload = json.dumps({"object": "list", "data": data}).encode()
+            payload = self.listing or json.dumps({"object": "list", "data": data}).encode()
             writer.write(_head(200, {"content-length": str(len(payload))}) + payload)
             await writer.drain()
             return True
         self.posts.append((path, headers, body))
+        if self.answer is not None:
+            status, extra, content = self.answer(self)
+            writer.write(_head(status, {**extra, "content-length": str(len(content))}) + content)
+            await writer.drain()
+            return True
         if self.chat == "stall":
             await asyncio.sleep(3600)
         if self.chat == "ok":
@@ -359,69 +369,77 @@ async def test_recovery(upstreams: Callable[..., Any]) -> None:
         await pool.close()
 
 
-# -- scripted ----------------------------------------------------------------------------
+# -- scripted answers --------------------------------------------------------------------
 
 
-def scripted(
-    answer: Callable[[httpx.Request], httpx.Response], models: tuple[str, ...] = ("m1",)
-) -> tuple[httpx.MockTransport, list[httpx.Request]]:
-    """A transport answering /v1/models with ``models`` and POSTs with ``answer``."""
-    seen: list[httpx.Request] = []
-
-    def handle(request: httpx.Request) -> httpx.Response:
-        if request.method == "GET":
-            return httpx.Response(200, json={"data": [{"id": m} for m in models]})
-        seen.append(request)
-        return answer(request)
-
-    return httpx.MockTransport(handle), seen
+def answering(
+    status: int, body: bytes = b"x", headers: dict[str, str] | None = None
+) -> Callable[[FakeUpstream], tuple[int, dict[str, str], bytes]]:
+    return lambda up: (status, headers or {}, body)
 
 
-async def test_request_shape() -> None:
-    transport, seen = scripted(lambda r: httpx.Response(200, content=b"{}"))
-    health: list[httpx.Request] = []
-
-    def handle(request: httpx.Request) -> Any:
-        if request.method == "GET":
-            health.append(request)
-        return transport.handler(request)
-
-    pool = UpstreamPool(
-        make_spec("http://a:1", api_key="sk-up"), transport=httpx.MockTransport(handle)
-    )
+async def test_request_shape(upstreams: Callable[..., Any]) -> None:
+    up = await upstreams()
+    up.answer = answering(200, b"{}")
+    pool = UpstreamPool(make_spec(up.url + "/", api_key="sk-up"))
     await pool.start()
     response = await pool.send("/chat/completions", BODY, {"Accept": "text/event-stream"})
     assert await response.aread() == b"{}"
-    (request,) = seen
-    assert str(request.url) == "http://a:1/v1/chat/completions"
-    assert request.content == BODY
-    assert request.headers["authorization"] == "Bearer sk-up"
-    assert request.headers["accept-encoding"] == "identity"
-    assert request.headers["content-type"] == "application/json"
-    assert request.headers["accept"] == "text/event-stream"
-    assert str(health[0].url) == "http://a:1/v1/models"
-    assert health[0].headers["authorization"] == "Bearer sk-up"
+    ((path, headers, body),) = up.posts
+    assert (path, body) == ("/v1/chat/completions", BODY)
+    assert headers["authorization"] == "Bearer sk-up"
+    assert headers["x-api-key"] == "sk-up"
+    assert headers["accept-encoding"] == "identity"
+    assert headers["content-type"] == "application/json"
+    assert headers["accept"] == "text/event-stream"
+    assert headers["host"] == f"127.0.0.1:{up.port}"
+    assert up.gets[0][0] == "/v1/models"
+    assert up.gets[0][1]["authorization"] == "Bearer sk-up"
     await pool.close()
 
 
-async def test_500_fails_over_503_is_busy() -> None:
-    statuses = {"a": 500, "b": 200}
-    transport, seen = scripted(lambda r: httpx.Response(statuses[r.url.host], text="x"))
-    pool = UpstreamPool(make_spec("http://a:1", "http://b:1"), transport=transport)
+async def test_mounted_under_a_path(upstreams: Callable[..., Any]) -> None:
+    """A replica URL with a path (a server behind a reverse proxy's prefix) keeps it."""
+    up = await upstreams()
+    pool = UpstreamPool(make_spec(up.url + "/llm"))
+    await pool.start()
+    assert up.gets[0][0] == "/llm/v1/models"
+    async with await pool.send("/chat/completions", BODY):
+        pass
+    assert up.posts[0][0] == "/llm/v1/chat/completions"
+    await pool.close()
+
+
+async def test_a_header_with_a_line_break_is_refused(upstreams: Callable[..., Any]) -> None:
+    up = await upstreams()
+    pool = UpstreamPool(make_spec(up.url))
+    with pytest.raises(ValueError, match="line break"):
+        await pool.send("/chat/completions", BODY, {"accept": "a\r\nx-evil: 1"})
+    assert up.posts == []
+    await pool.close()
+
+
+async def test_500_fails_over_503_is_busy(upstreams: Callable[..., Any]) -> None:
+    a, b = await upstreams(), await upstreams()
+    a.answer, b.answer = answering(500), answering(200)
+    pool = UpstreamPool(make_spec(a.url, b.url))
     await pool.start()
     response = await pool.send("/chat/completions", BODY)
-    assert (response.status, response.replica) == (200, "http://b:1")
+    assert (response.status, response.replica) == (200, b.url)
     await response.aclose()
-    a = pool.status()[0]
-    assert (a.state, a.last_error, a.outstanding) == ("down", "http://a:1 answered 500", 0)
-    assert [r.url.host for r in seen] == ["a", "b"]
+    status = pool.status()[0]
+    assert (status.state, status.last_error, status.outstanding) == (
+        "down",
+        f"{a.url} answered 500",
+        0,
+    )
+    assert (len(a.posts), len(b.posts)) == (1, 1)
     # A 503 is busy, not down: the other replica is tried and both stay usable.
-    pool2 = UpstreamPool(make_spec("http://a:1", "http://b:1"), transport=transport)
+    pool2 = UpstreamPool(make_spec(a.url, b.url))
     await pool2.start()
-    statuses["a"] = 503
-    seen.clear()
+    a.answer = answering(503)
     response = await pool2.send("/chat/completions", BODY)
-    assert (response.status, response.replica) == (200, "http://b:1")
+    assert (response.status, response.replica) == (200, b.url)
     await response.aclose()
     assert [s.state for s in pool2.status()] == ["healthy", "healthy"]
     assert [s.outstanding for s in pool2.status()] == [0, 0]
@@ -429,44 +447,40 @@ async def test_500_fails_over_503_is_busy() -> None:
     await pool2.close()
 
 
-async def test_busy_everywhere_returns_last_busy_answer() -> None:
-    def answer(request: httpx.Request) -> httpx.Response:
-        retry = "7" if request.url.host == "b" else "3"
-        return httpx.Response(429, headers={"retry-after": retry}, json={"host": request.url.host})
-
-    transport, seen = scripted(answer)
-    pool = UpstreamPool(make_spec("http://a:1", "http://b:1"), transport=transport)
+async def test_busy_everywhere_returns_last_busy_answer(upstreams: Callable[..., Any]) -> None:
+    a, b = await upstreams(), await upstreams()
+    a.answer = answering(429, b'{"host": "a"}', {"retry-after": "3"})
+    b.answer = answering(429, b'{"host": "b"}', {"retry-after": "7"})
+    pool = UpstreamPool(make_spec(a.url, b.url))
     await pool.start()
     response = await pool.send("/chat/completions", BODY)
-    assert (response.status, response.replica) == (429, "http://b:1")
-    assert response.headers["retry-after"] == "7"
-    assert json.loads(await response.aread()) == {"host": "b"}
-    assert len(seen) == 2
+    last = response.replica
+    assert response.status == 429
+    assert response.headers["retry-after"] == ("7" if last == b.url else "3")
+    assert json.loads(await response.aread()) == {"host": "b" if last == b.url else "a"}
+    assert (len(a.posts), len(b.posts)) == (1, 1)
     assert [s.outstanding for s in pool.status()] == [0, 0]
     assert pool.state() == "healthy"
     await pool.close()
 
 
-async def test_4xx_is_returned_not_failed_over() -> None:
-    transport, seen = scripted(lambda r: httpx.Response(400, json={"error": {}}))
-    pool = UpstreamPool(make_spec("http://a:1", "http://b:1"), transport=transport)
+async def test_4xx_is_returned_not_failed_over(upstreams: Callable[..., Any]) -> None:
+    a, b = await upstreams(), await upstreams()
+    a.answer = b.answer = answering(400, b'{"error": {}}')
+    pool = UpstreamPool(make_spec(a.url, b.url))
     await pool.start()
     response = await pool.send("/chat/completions", BODY)
-    assert response.status == 400 and len(seen) == 1
+    assert response.status == 400 and len(a.posts) + len(b.posts) == 1
     await response.aclose()
     await pool.close()
 
 
 async def test_all_down_unavailable_retry_after() -> None:
-    def handle(request: httpx.Request) -> httpx.Response:
-        raise httpx.ConnectError("no route", request=request)
-
-    pool = UpstreamPool(
-        make_spec("http://a:1", "http://b:1"), transport=httpx.MockTransport(handle)
-    )
+    dead = (closed_url(), closed_url())
+    pool = UpstreamPool(make_spec(*dead))
     await pool.start()
     assert pool.state() == "down"
-    assert pool.status()[0].last_error == "http://a:1 could not be reached (no route)"
+    assert pool.status()[0].last_error == f"{dead[0]} refused the connection"
     with pytest.raises(UpstreamUnavailable) as exc:
         await pool.send("/chat/completions", BODY)
     waits = [s.next_check_in for s in pool.status()]
@@ -475,28 +489,27 @@ async def test_all_down_unavailable_retry_after() -> None:
     await pool.close()
 
 
-async def test_timeout_is_typed() -> None:
-    def handle(request: httpx.Request) -> httpx.Response:
-        if request.method == "GET":
-            return httpx.Response(200, json={"data": []})
-        raise httpx.ReadTimeout("timed out", request=request)
-
-    pool = UpstreamPool(make_spec("http://a:1", timeout=9), transport=httpx.MockTransport(handle))
+async def test_timeout_is_typed(upstreams: Callable[..., Any]) -> None:
+    up = await upstreams()
+    up.chat = "stall"
+    pool = UpstreamPool(make_spec(up.url, timeout=0.3))
     await pool.start()
     with pytest.raises(UpstreamTimeout) as exc:
         await pool.send("/chat/completions", BODY)
-    assert exc.value.message == "upstream 'gpu-box': http://a:1 sent nothing for 9 s"
-    assert isinstance(exc.value.__cause__, httpx.ReadTimeout)
+    assert exc.value.message == f"upstream 'gpu-box': {up.url} sent nothing for 0.3 s"
+    assert isinstance(exc.value.__cause__, wire.ReadTimeout)
     await pool.close()
 
 
-async def test_least_outstanding_then_round_robin() -> None:
-    transport, _ = scripted(lambda r: httpx.Response(200, content=b"ok"))
-    urls = ("http://a:1", "http://b:1", "http://c:1")
-    pool = UpstreamPool(make_spec(*urls), transport=transport)
+async def test_least_outstanding_then_round_robin(upstreams: Callable[..., Any]) -> None:
+    ups = [await upstreams() for _ in range(3)]
+    for up in ups:
+        up.answer = answering(200, b"ok")
+    urls = tuple(up.url for up in ups)
+    pool = UpstreamPool(make_spec(*urls))
     await pool.start()
     held = [await pool.send("/chat/completions", BODY) for _ in range(3)]
-    assert sorted(r.replica for r in held) == list(urls)  # one each
+    assert sorted(r.replica for r in held) == sorted(urls)  # one each
     await held[1].aclose()
     extra = await pool.send("/chat/completions", BODY)
     assert extra.replica == held[1].replica  # the only one with nothing outstanding
@@ -511,20 +524,15 @@ async def test_least_outstanding_then_round_robin() -> None:
     await pool.close()
 
 
-async def test_bad_listing_is_down_then_recovers() -> None:
-    good = {"now": False}
-
-    def handle(request: httpx.Request) -> httpx.Response:
-        if good["now"]:
-            return httpx.Response(200, json={"data": [{"id": "m9"}]})
-        return httpx.Response(200, text="<html>")
-
-    pool = UpstreamPool(make_spec("http://a:1"), transport=httpx.MockTransport(handle))
+async def test_bad_listing_is_down_then_recovers(upstreams: Callable[..., Any]) -> None:
+    up = await upstreams(("m9",))
+    up.listing = b"<html>"
+    pool = UpstreamPool(make_spec(up.url))
     await pool.start()
     assert pool.status()[0].state == "down"
     assert pool.status()[0].last_error == "answered GET /v1/models with what is not JSON"
     assert pool.models() == ()
-    good["now"] = True
+    up.listing = None
     await wait_for(lambda: pool.status()[0].state == "healthy")
     assert pool.models() == ("m9",)
     assert pool.status()[0].failures == 0

@@ -48,16 +48,34 @@ class OpenAIChunkTap:
 
     def chunk(self, data: Mapping[str, Any]) -> None:
         """One streamed chunk (chat ``delta`` or completions ``text``)."""
+        self.event(data)
+
+    def event(self, data: Mapping[str, Any]) -> bool:
+        """One streamed event: :meth:`chunk`, and whether it ends the answer
+        (:meth:`ended`), in one pass over its choices (this runs for every event a
+        gateway forwards)."""
         if not self._named:
             self._name(data.get("id"))
         if data.get("error"):
             self._error = True
         choices = data.get("choices")
+        ended = False
         if isinstance(choices, list):
-            bearing = sum(1 for choice in choices if _carries_content(choice))
+            bearing = 0
+            for choice in choices:
+                if isinstance(choice, Mapping):
+                    if _carries_content(choice):
+                        bearing += 1
+                    if choice.get("finish_reason"):
+                        ended = True
             if bearing:
                 self._meter.tokens(bearing)
-        self._usage(data.get("usage"))
+        else:
+            ended = "error" in data
+        usage = data.get("usage")
+        if usage is not None:
+            self._usage(usage)
+        return ended
 
     def body(self, data: Mapping[str, Any]) -> None:
         """A non-streaming answer: the first token is when it arrived."""
@@ -95,7 +113,16 @@ class OpenAIChunkTap:
             self._completion = completion
 
 
-class AnthropicEventTap(OpenAIChunkTap):
+class _SplitTap(OpenAIChunkTap):
+    """A tap whose :meth:`chunk` and :meth:`ended` read different fields: ``event``
+    asks both."""
+
+    def event(self, data: Mapping[str, Any]) -> bool:
+        self.chunk(data)
+        return self.ended(data)
+
+
+class AnthropicEventTap(_SplitTap):
     """The same, for an upstream that speaks Anthropic's Messages API natively.
 
     Each content delta counts one token until ``message_delta``'s cumulative usage
@@ -144,7 +171,7 @@ class AnthropicEventTap(OpenAIChunkTap):
             self._completion = output
 
 
-class ResponsesEventTap(OpenAIChunkTap):
+class ResponsesEventTap(_SplitTap):
     """The same, for an upstream that serves OpenAI's Responses API natively: each text or
     arguments delta counts one token until the terminal event's usage says."""
 
@@ -184,7 +211,7 @@ class ResponsesEventTap(OpenAIChunkTap):
             self._completion = usage["output_tokens"]
 
 
-class GeminiRecordTap(OpenAIChunkTap):
+class GeminiRecordTap(_SplitTap):
     """The same, for an upstream that speaks Google's Gemini API natively: each record
     whose candidates carry parts counts one token until ``usageMetadata`` says (the
     candidates' tokens plus the thoughts'); a candidate's ``finishReason`` or an
@@ -238,21 +265,17 @@ def _has_parts(candidate: object) -> bool:
     return isinstance(parts, list) and bool(parts)
 
 
-def _carries_content(choice: object) -> bool:
-    if not isinstance(choice, Mapping):
-        return False
-    text = choice.get("text")  # /v1/completions
-    if isinstance(text, str) and text:
-        return True
+def _carries_content(choice: Mapping[str, Any]) -> bool:
     delta = choice.get("delta")
-    if not isinstance(delta, Mapping):
-        return False
-    for key in ("content", "reasoning_content", "reasoning"):
-        value = delta.get(key)
-        if isinstance(value, str) and value:
-            return True
-    tool_calls = delta.get("tool_calls")
-    return isinstance(tool_calls, list) and bool(tool_calls)
+    if isinstance(delta, Mapping):
+        for key in ("content", "reasoning_content", "reasoning"):
+            value = delta.get(key)
+            if value and isinstance(value, str):
+                return True
+        tool_calls = delta.get("tool_calls")
+        return isinstance(tool_calls, list) and bool(tool_calls)
+    text = choice.get("text")  # /v1/completions
+    return isinstance(text, str) and bool(text)
 
 
 def _is_count(value: object) -> TypeGuard[int]:

@@ -11,13 +11,14 @@ Each replica is checked in the background (``GET /v1/models``): every
 ``health_interval`` seconds while healthy, with exponential backoff while down;
 a down replica that answers its check gets traffic again.
 
-httpx's exceptions become sluice's in one place, :func:`upstream_errors`.
+The wire's exceptions (``wire.py``) become sluice's in one place, :func:`upstream_errors`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import random
@@ -26,11 +27,18 @@ from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal, Self
-
-import httpx
+from urllib.parse import urlsplit
 
 from sluice.core.errors import UpstreamFailed, UpstreamTimeout, UpstreamUnavailable
 from sluice.upstream.config import UpstreamSpec
+from sluice.upstream.wire import (
+    ConnectTimeout,
+    Origin,
+    ReadTimeout,
+    WireClient,
+    WireError,
+    WireResponse,
+)
 
 log = logging.getLogger("sluice.router")
 
@@ -63,60 +71,45 @@ class ReplicaStatus:
     models: tuple[str, ...]  # ids its last good /v1/models listed
 
 
-def describe(exc: httpx.TransportError, spec: UpstreamSpec) -> str:
+def describe(exc: WireError, spec: UpstreamSpec) -> str:
     """What a replica did, for a message: ``refused the connection``, ``sent nothing for 300 s``."""
-    detail = str(exc) or type(exc).__name__
-    if isinstance(exc, httpx.ConnectTimeout):
-        return f"did not accept the connection within {spec.connect_timeout:g} s"
-    if isinstance(exc, httpx.ReadTimeout):
-        return f"sent nothing for {spec.timeout:g} s"
-    if isinstance(exc, httpx.WriteTimeout):
-        return f"did not take the request within {spec.timeout:g} s"
-    if isinstance(exc, httpx.PoolTimeout):
-        return f"had no free connection within {spec.timeout:g} s"
-    if isinstance(exc, httpx.ConnectError):
-        cause: BaseException | None = exc
-        while cause is not None:  # httpx -> httpcore -> the OSError
-            if isinstance(cause, ConnectionRefusedError):
-                return "refused the connection"
-            cause = cause.__cause__ or cause.__context__
-        return f"could not be reached ({detail})"
-    if isinstance(exc, httpx.ReadError | httpx.WriteError):
-        return f"broke the connection ({detail})"
-    return f"failed ({detail})"
+    return str(exc) or type(exc).__name__
 
 
 @contextlib.contextmanager
 def upstream_errors(spec: UpstreamSpec, replica: str, doing: str = "") -> Iterator[None]:
-    """httpx's transport errors inside as :class:`UpstreamTimeout` / :class:`UpstreamFailed`.
+    """The wire's transport errors inside as :class:`UpstreamTimeout` / :class:`UpstreamFailed`.
 
     Example::
 
         with upstream_errors(spec, url, "dropped the stream: "):
-            chunk = await stream.__anext__()
+            chunk = await response.read_some()
         # -> UpstreamFailed("upstream 'gpu-box': http://h:8000 dropped the stream: ...")
     """
     try:
         yield
-    except httpx.TimeoutException as exc:
-        raise UpstreamTimeout(
-            f"upstream {spec.name!r}: {replica} {doing}{describe(exc, spec)}"
-        ) from exc
-    except httpx.TransportError as exc:
-        raise UpstreamFailed(
-            f"upstream {spec.name!r}: {replica} {doing}{describe(exc, spec)}"
-        ) from exc
+    except WireError as exc:
+        raise _mapped(exc, spec, replica, doing) from exc
+
+
+def _mapped(exc: WireError, spec: UpstreamSpec, replica: str, doing: str) -> UpstreamFailed:
+    message = f"upstream {spec.name!r}: {replica} {doing}{describe(exc, spec)}"
+    if isinstance(exc, ReadTimeout | ConnectTimeout):
+        return UpstreamTimeout(message)
+    return UpstreamFailed(message)
 
 
 class _Replica:
     """The mutable state of one replica (the pool's own; :class:`ReplicaStatus` is the view)."""
 
     __slots__ = (
+        "base",
         "entries",
         "failures",
         "last_error",
         "models",
         "next_check",
+        "origin",
         "outstanding",
         "state",
         "url",
@@ -125,6 +118,8 @@ class _Replica:
 
     def __init__(self, url: str) -> None:
         self.url = url
+        self.origin = Origin.parse(url)
+        self.base = urlsplit(url).path.rstrip("/")  # a path the server is mounted under
         self.state: State = "unknown"
         self.outstanding = 0
         self.failures = 0
@@ -141,7 +136,7 @@ class _Replica:
 
 
 class UpstreamResponse:
-    """An upstream's answer whose headers arrived; the body is read as it comes.
+    """An upstream's answer whose head arrived; the body is read as it comes.
 
     Always closed (``aclose`` or ``async with``): closing before the end drops
     the connection, so the upstream sees the request aborted. Errors while
@@ -150,44 +145,50 @@ class UpstreamResponse:
     Example::
 
         async with await pool.send("/chat/completions", body) as response:
-            async for chunk in response.aiter_raw():
+            while chunk := await response.read_some():
                 forward(chunk)
     """
 
-    def __init__(self, pool: UpstreamPool, replica: _Replica, response: httpx.Response) -> None:
-        self.status = response.status_code
-        self.headers = response.headers
+    __slots__ = ("_closed", "_pool", "_replica", "_response", "headers", "replica", "status")
+
+    def __init__(self, pool: UpstreamPool, replica: _Replica, response: WireResponse) -> None:
+        self.status = response.status
+        self.headers = response.headers  # lower-case names
         self.replica = replica.url
         self._pool = pool
         self._replica = replica
         self._response = response
         self._closed = False
 
-    async def aiter_raw(self) -> AsyncIterator[bytes]:
-        """The body's bytes as they arrive, undecoded; closes the response at its end."""
+    async def read_some(self) -> bytes:
+        """The body's next bytes as they arrive, undecoded (b"" at its end, when the
+        response is closed)."""
         try:
-            with upstream_errors(self._pool.spec, self.replica, "dropped the stream: "):
-                async for chunk in self._response.aiter_raw():
-                    yield chunk
-        except (UpstreamFailed, httpx.StreamClosed):
+            data = await self._response.read_some()
+        except WireError as exc:
             if self._closed:
-                return  # the caller closed it meanwhile (a client disconnect): not a failure
+                return b""  # the caller closed it meanwhile (a client disconnect)
             self._pool._suspect(self._replica)
             await self.aclose()
-            raise
-        await self.aclose()
+            raise _mapped(exc, self._pool.spec, self.replica, "dropped the stream: ") from exc
+        if not data:
+            await self.aclose()
+        return data
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        """The body's bytes as they arrive, undecoded; closes the response at its end."""
+        while data := await self.read_some():
+            yield data
 
     async def aread(self) -> bytes:
         """The whole body; closes the response."""
+        parts = []
         try:
-            with upstream_errors(self._pool.spec, self.replica, "dropped the stream: "):
-                return await self._response.aread()
-        except UpstreamFailed:
-            if not self._closed:
-                self._pool._suspect(self._replica)
-            raise
+            while data := await self.read_some():
+                parts.append(data)
         finally:
             await self.aclose()
+        return b"".join(parts)
 
     async def aclose(self) -> None:
         """Close at once (idempotent); before the end this aborts the upstream request."""
@@ -221,41 +222,21 @@ class UpstreamPool:
         await pool.close()
     """
 
-    def __init__(
-        self, spec: UpstreamSpec, *, transport: httpx.AsyncBaseTransport | None = None
-    ) -> None:
+    def __init__(self, spec: UpstreamSpec) -> None:
         self.spec = spec
         self._replicas = [_Replica(url) for url in spec.urls]
         self._rr = 0  # round-robin offset among equally busy replicas
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
-        if transport is None:
-            # Generous limits: a gateway holds one connection per streaming request.
-            transport = httpx.AsyncHTTPTransport(
-                limits=httpx.Limits(
-                    max_connections=4096, max_keepalive_connections=512, keepalive_expiry=30
-                ),
-                http1=True,
-                http2=False,
-            )
         self._headers = {"content-type": "application/json", "accept-encoding": "identity"}
         if spec.api_key:
             self._headers["authorization"] = f"Bearer {spec.api_key}"
             # Anthropic's header too: a server that speaks Messages natively may read
             # only that one, and OpenAI servers ignore it.
             self._headers["x-api-key"] = spec.api_key
-        self._client = httpx.AsyncClient(
-            transport=transport,
-            timeout=httpx.Timeout(
-                connect=spec.connect_timeout,
-                read=spec.timeout,
-                write=spec.timeout,
-                pool=spec.timeout,
-            ),
-            # Upstreams are named by the config, not by HTTP(S)_PROXY in the environment.
-            trust_env=False,
-            follow_redirects=False,
-        )
+        # Keep-alive HTTP/1.1: a gateway holds one connection per streaming request.
+        # Upstreams are named by the config (no HTTP(S)_PROXY), redirects not followed.
+        self._client = WireClient(connect_timeout=spec.connect_timeout, timeout=spec.timeout)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -313,13 +294,12 @@ class UpstreamPool:
             while (index := self._pick(tried)) is not None:
                 tried.add(index)
                 replica = self._replicas[index]
-                request = self._client.build_request(
-                    "POST", f"{replica.url}{prefix}{path}", content=body, headers=merged
-                )
                 replica.outstanding += 1
                 try:
                     with upstream_errors(self.spec, replica.url):
-                        response = await self._client.send(request, stream=True)
+                        response = await self._client.request(
+                            "POST", replica.origin, f"{replica.base}{prefix}{path}", body, merged
+                        )
                 except UpstreamFailed as exc:
                     replica.outstanding -= 1
                     self._mark_down(replica, exc)
@@ -328,7 +308,7 @@ class UpstreamPool:
                 except BaseException:  # cancelled: the request is not ours to count any more
                     replica.outstanding -= 1
                     raise
-                status = response.status_code
+                status = response.status
                 if status >= 500 and status != 503:
                     replica.outstanding -= 1
                     await response.aclose()
@@ -451,12 +431,18 @@ class UpstreamPool:
         """``GET /v1/models``: healthy with its models, or down with a backoff."""
         try:
             with upstream_errors(self.spec, r.url):
-                response = await self._client.get(
-                    f"{r.url}/v1/models",
+                response = await self._client.request(
+                    "GET",
+                    r.origin,
+                    f"{r.base}/v1/models",
                     headers={k: v for k, v in self._headers.items() if k != "content-type"},
                     timeout=self.spec.connect_timeout,
                 )
-            entries = _model_entries(response)
+                try:
+                    content = await response.aread()
+                finally:
+                    await response.aclose()
+            entries = _model_entries(response.status, content)
         except UpstreamFailed as exc:
             self._check_failed(r, self._detail(exc))
             return
@@ -540,12 +526,12 @@ class _BadListing(Exception):
     """A health check's answer is not a ``/v1/models`` list."""
 
 
-def _model_entries(response: httpx.Response) -> dict[str, dict[str, Any]]:
+def _model_entries(status: int, content: bytes) -> dict[str, dict[str, Any]]:
     """The entries of a ``/v1/models`` answer by id; :class:`_BadListing` if it is not one."""
-    if response.status_code != 200:
-        raise _BadListing(f"answered {response.status_code} to GET /v1/models")
+    if status != 200:
+        raise _BadListing(f"answered {status} to GET /v1/models")
     try:
-        body = response.json()
+        body = json.loads(content)
     except ValueError:
         raise _BadListing("answered GET /v1/models with what is not JSON") from None
     data = body.get("data") if isinstance(body, dict) else None

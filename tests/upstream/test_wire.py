@@ -1,0 +1,259 @@
+"""The gateway's HTTP/1.1 client (``upstream/wire.py``) against raw loopback servers: body
+framings, keep-alive and its stale connections, flow control, timeouts, bad answers."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from sluice.upstream import wire
+from sluice.upstream.wire import Origin, WireClient
+from tests.support.servers import free_port
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+async def read_request(reader: asyncio.StreamReader) -> tuple[str, bytes]:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.decode().split("\r\n"):
+        if line.lower().startswith("content-length:"):
+            length = int(line.split(":")[1])
+    return head.decode().split(" ")[1], await reader.readexactly(length)
+
+
+class Server:
+    """A loopback server running ``handler`` per connection; counts connections."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.connections = 0
+        self.writers: list[asyncio.StreamWriter] = []
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        self.writers.append(writer)
+        try:
+            await self.handler(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+
+@pytest.fixture
+async def serve() -> AsyncIterator[Callable[[Handler], Awaitable[tuple[Server, Origin]]]]:
+    servers: list[asyncio.Server] = []
+
+    async def start(handler: Handler) -> tuple[Server, Origin]:
+        srv = Server(handler)
+        server = await asyncio.start_server(srv._serve, "127.0.0.1", 0)
+        servers.append(server)
+        return srv, Origin.parse(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+def client(**kw: float) -> WireClient:
+    kw.setdefault("connect_timeout", 1.0)
+    kw.setdefault("timeout", 5.0)
+    return WireClient(**kw)
+
+
+async def test_framings_and_keep_alive(
+    serve: Callable[..., Awaitable[tuple[Server, Origin]]],
+) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            path, body = await read_request(reader)
+            if path == "/length":
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\nx-a: 1\r\nX-A: 2\r\n\r\nhello"
+                )
+            elif path == "/chunked":
+                writer.write(b"HTTP/1.1 201 Created\r\ntransfer-encoding: chunked\r\n\r\n")
+                for part in (b"ab", b"cde", b""):
+                    writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+                    await writer.drain()
+                    await asyncio.sleep(0.01)
+            elif path == "/echo":
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+            else:  # no length: the body ends with the connection
+                writer.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nuntil the end")
+                await writer.drain()
+                return
+
+    srv, origin = await serve(handler)
+    c = client()
+    r = await c.request("GET", origin, "/length")
+    assert (r.status, r.headers["x-a"], await r.aread()) == (200, "1, 2", b"hello")
+    await r.aclose()
+    r = await c.request("POST", origin, "/chunked", b"{}")
+    assert r.status == 201
+    parts = []
+    while data := await r.read_some():
+        parts.append(data)
+    assert b"".join(parts) == b"abcde" and len(parts) >= 2  # as the chunks came
+    await r.aclose()
+    big = bytes(range(256)) * 1000  # written in two pieces
+    r = await c.request("POST", origin, "/echo", big, {"content-type": "application/json"})
+    assert await r.aread() == big
+    await r.aclose()
+    assert srv.connections == 1  # all on one kept-alive connection
+    r = await c.request("GET", origin, "/close")
+    assert await r.aread() == b"until the end"
+    await r.aclose()
+    await c.aclose()
+
+
+async def test_a_stale_idle_connection_is_replaced(
+    serve: Callable[..., Awaitable[tuple[Server, Origin]]],
+) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+        # Keep-alive announced, then the next request is met with a close and no answer
+        # (a server's idle timeout racing the client's reuse).
+        await read_request(reader)
+
+    srv, origin = await serve(handler)
+    c = client()
+    for _ in range(3):
+        r = await c.request("POST", origin, "/x", b"{}")
+        assert await r.aread() == b"ok"
+        await r.aclose()
+    assert srv.connections == 3  # each reuse failed before an answer and was sent again
+    await c.aclose()
+
+
+async def test_an_unfinished_answer_is_not_reused(
+    serve: Callable[..., Awaitable[tuple[Server, Origin]]],
+) -> None:
+    gone = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nhi\r\n")
+        await writer.drain()
+        if await reader.read(1) == b"":
+            gone.set()
+
+    srv, origin = await serve(handler)
+    c = client()
+    r = await c.request("POST", origin, "/x", b"{}")
+    assert await r.read_some() == b"hi"
+    await r.aclose()  # before the end: the connection is dropped
+    await asyncio.wait_for(gone.wait(), 2)
+    r = await c.request("POST", origin, "/x", b"{}")
+    await r.aclose()
+    assert srv.connections == 2
+    await c.aclose()
+
+
+async def test_a_reader_that_does_not_read_pauses_the_server(
+    serve: Callable[..., Awaitable[tuple[Server, Origin]]],
+) -> None:
+    sent = 0
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal sent
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        block = b"x" * 65536
+        for _ in range(200):  # 13 MB, far past every buffer
+            writer.write(b"%x\r\n%s\r\n" % (len(block), block))
+            await writer.drain()
+            sent += len(block)
+        writer.write(b"0\r\n\r\n")
+
+    _, origin = await serve(handler)
+    c = client(timeout=0.3)
+    r = await c.request("POST", origin, "/x", b"{}")
+    await asyncio.sleep(0.8)  # longer than the timeout: not reading is not the server's silence
+    assert sent < 8 * 2**20  # the server was held back
+    total = 0
+    while data := await r.read_some():
+        total += len(data)
+    assert total == 200 * 65536
+    await r.aclose()
+    await c.aclose()
+
+
+async def test_silence_is_a_timeout(serve: Callable[..., Awaitable[tuple[Server, Origin]]]) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        path, _ = await read_request(reader)
+        if path == "/late-body":
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\na\r\n")
+            await writer.drain()
+        await asyncio.sleep(10)
+
+    _, origin = await serve(handler)
+    c = client(timeout=0.2)
+    with pytest.raises(wire.ReadTimeout, match="sent nothing for 0.2 s"):
+        await c.request("POST", origin, "/no-head", b"{}")
+    r = await c.request("POST", origin, "/late-body", b"{}")
+    assert await r.read_some() == b"a"
+    with pytest.raises(wire.ReadTimeout):
+        await r.read_some()
+    await r.aclose()
+    await c.aclose()
+
+
+async def test_refused_garbage_and_interim(
+    serve: Callable[..., Awaitable[tuple[Server, Origin]]],
+) -> None:
+    c = client()
+    with pytest.raises(wire.ConnectRefused, match="refused the connection"):
+        await c.request("GET", Origin.parse(f"http://127.0.0.1:{free_port()}"), "/")
+
+    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"SSH-2.0-OpenSSH\r\n\r\n")
+        await asyncio.sleep(1)
+
+    _, origin = await serve(garbage)
+    with pytest.raises(wire.ProtocolError, match="not an HTTP/1.1 response"):
+        await c.request("GET", origin, "/")
+
+    async def interim(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 1\r\n\r\n!")
+        await asyncio.sleep(1)
+
+    _, origin = await serve(interim)
+    r = await c.request("GET", origin, "/")
+    assert (r.status, await r.aread()) == (200, b"!")
+    await r.aclose()
+    await c.aclose()
+
+
+async def test_cancelled_while_waiting_drops_the_connection(
+    serve: Callable[..., Awaitable[tuple[Server, Origin]]],
+) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            path, _ = await read_request(reader)
+            if path == "/slow":
+                await asyncio.sleep(0.5)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            await writer.drain()
+
+    srv, origin = await serve(handler)
+    c = client()
+    r = await c.request("GET", origin, "/fast")
+    await r.aread()
+    await r.aclose()
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(c.request("GET", origin, "/slow"), 0.1)
+    # The kept-alive connection was in use when cancelled: never handed out again, or
+    # its late answer would be read as the next request's.
+    r = await c.request("GET", origin, "/fast")
+    assert await r.aread() == b"ok"
+    await r.aclose()
+    assert srv.connections == 2
+    await c.aclose()
