@@ -153,6 +153,7 @@ class Upstream:
         self.disconnected = threading.Event()
         self.release = threading.Event()  # gemini_held: the rest of its array
         self.models_ok = True
+        self.socks: set[socket.socket] = set()
         owner = self
 
         class Handler(socketserver.BaseRequestHandler):
@@ -168,7 +169,15 @@ class Upstream:
         self.server.shutdown()
         self.server.server_close()
 
+    def kill(self) -> None:
+        """Gone as a killed process is: no listener, every connection reset."""
+        self.close()
+        for sock in list(self.socks):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
     def _serve(self, sock: socket.socket) -> None:
+        self.socks.add(sock)
         reader = sock.makefile("rb")
         try:
             while True:
@@ -238,6 +247,17 @@ class Upstream:
         except OSError:
             self.disconnected.set()
         return False
+
+    def _held(self, sock: socket.socket, body: dict[str, Any]) -> bool:
+        """The good stream, its end held until the test releases it (or 10 s)."""
+        self._stream_head(sock)
+        self._chunk(sock, sse_event(GOOD_EVENTS[0]))
+        self.release.wait(10)
+        for event in GOOD_EVENTS[1:]:
+            self._chunk(sock, sse_event(event))
+        self._chunk(sock, b"data: [DONE]\n\n")
+        sock.sendall(b"0\r\n\r\n")
+        return True
 
     def _stall(self, sock: socket.socket, body: dict[str, Any]) -> bool:
         time.sleep(3)
@@ -469,27 +489,30 @@ def test_client_disconnect_closes_the_upstream_request() -> None:
 
 
 def test_a_down_replica_takes_traffic_again_once_it_answers() -> None:
-    with upstreams("ok", "ok") as (a, b), gateway([a.url, b.url], health_interval=0.2) as base:
-        a.models_ok = False
-        a.behaviour = "error500"
-        post(base)  # whichever got it, 'a' is marked down by a 500 or its check
-        deadline = time.monotonic() + 3
-        while time.monotonic() < deadline and "down" not in _states(base):
-            time.sleep(0.05)
-        assert _states(base)[a.url] == "down"
-        served_by_a = len(a.posts)
-        for _ in range(4):
-            assert post(base).status_code == 200
-        assert len(a.posts) == served_by_a  # no traffic while down
-        a.models_ok = True
-        a.behaviour = "ok"
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and _states(base)[a.url] != "healthy":
-            time.sleep(0.05)
-        assert _states(base)[a.url] == "healthy"
-        for _ in range(4):
-            assert post(base).status_code == 200
-        assert len(a.posts) > served_by_a
+    # (Affinity off: its conversation would stay where it moved while 'a' was down.)
+    with upstreams("ok", "ok") as (a, b):
+        gw = gateway([a.url, b.url], health_interval=0.2, affinity=False)
+        with gw as base:
+            a.models_ok = False
+            a.behaviour = "error500"
+            post(base)  # whichever got it, 'a' is marked down by a 500 or its check
+            deadline = time.monotonic() + 3
+            while time.monotonic() < deadline and "down" not in _states(base):
+                time.sleep(0.05)
+            assert _states(base)[a.url] == "down"
+            served_by_a = len(a.posts)
+            for _ in range(4):
+                assert post(base).status_code == 200
+            assert len(a.posts) == served_by_a  # no traffic while down
+            a.models_ok = True
+            a.behaviour = "ok"
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and _states(base)[a.url] != "healthy":
+                time.sleep(0.05)
+            assert _states(base)[a.url] == "healthy"
+            for _ in range(4):
+                assert post(base).status_code == 200
+            assert len(a.posts) > served_by_a
 
 
 def _states(base: str) -> dict[str, str]:
@@ -750,3 +773,106 @@ def test_images_audio_rerank_and_embeddings_pass_through_to_an_upstream_model() 
         assert "image generation" in local.json()["error"]["message"]
         missing = httpx.post(f"{base}/v1/audio/speech", json={"input": "hi"}, timeout=10)
         assert missing.status_code == 400 and missing.json()["error"]["param"] == "model"
+
+
+def conversation(first: str, turns: int) -> list[dict[str, str]]:
+    """A chat's messages at its ``turns``-th turn: a system prompt, then user/assistant."""
+    messages = [{"role": "system", "content": "You are terse."}]
+    for i in range(turns):
+        messages.append({"role": "user", "content": first if i == 0 else f"and then {i}?"})
+        if i < turns - 1:
+            messages.append({"role": "assistant", "content": f"answer {i}"})
+    return messages
+
+
+def replica_of(response: httpx.Response) -> str:
+    return response.headers["x-sluice-slot"].split("replica=")[1]
+
+
+def test_a_conversation_stays_on_its_replica_and_conversations_spread() -> None:
+    with (
+        upstreams("ok", "ok", "ok") as ups,
+        gateway([u.url for u in ups], health_interval=60) as base,
+    ):
+        homes: dict[str, set[str]] = {}
+        for turn in range(1, 6):
+            for n in range(12):
+                first = f"question {n}"
+                r = post(base, messages=conversation(first, turn))
+                assert r.status_code == 200
+                homes.setdefault(first, set()).add(replica_of(r))
+        assert all(len(h) == 1 for h in homes.values())  # every turn where the first went
+        assert len(set().union(*homes.values())) > 1
+        # A session header wins over the prompt: two different prompts, one replica.
+        seen = {
+            replica_of(
+                httpx.post(
+                    f"{base}{CHAT}",
+                    json={"model": "m1", "messages": conversation(f"q{i}", 1), "stream": True},
+                    headers={"x-session-id": "agent-7"},
+                    timeout=10,
+                )
+            )
+            for i in range(8)
+        }
+        assert len(seen) == 1
+        info = httpx.get(f"{base}/v1/info", timeout=10).json()
+        (entry,) = [m for m in info["models"] if m["id"] == "m1"]
+        affinity = entry["backend"]["affinity"]
+        assert affinity["enabled"] is True and affinity["load_factor"] == 1.1
+        assert affinity["conversations"] == 13
+        assert affinity["choices"]["hashed"] == 13
+        assert affinity["choices"]["pinned"] == 12 * 4 + 7
+        metrics = httpx.get(f"{base}/metrics", timeout=10).text
+        assert 'sluice_upstream_affinity_choices_total{choice="hashed",slot="up"} 13.0' in metrics
+        assert 'sluice_upstream_affinity_conversations{slot="up"} 13.0' in metrics
+
+
+def test_a_conversation_moves_when_its_replica_dies_and_stays_moved() -> None:
+    with (
+        upstreams("ok", "ok") as ups,
+        gateway([u.url for u in ups], health_interval=60) as base,
+    ):
+        home = replica_of(post(base, messages=conversation("hello", 1)))
+        (gone,) = [u for u in ups if u.url == home]
+        gone.kill()
+        moved = [replica_of(post(base, messages=conversation("hello", t))) for t in (2, 3, 4)]
+        assert moved == [u.url for u in ups if u is not gone] * 3
+
+
+def test_affinity_off_takes_turns() -> None:
+    with (
+        upstreams("ok", "ok") as ups,
+        gateway([u.url for u in ups], health_interval=60, affinity=False) as base,
+    ):
+        seen = [replica_of(post(base, messages=conversation("same", 1))) for _ in range(4)]
+        assert sorted(seen) == sorted([u.url for u in ups] * 2)
+        info = httpx.get(f"{base}/v1/info", timeout=10).json()
+        (entry,) = [m for m in info["models"] if m["id"] == "m1"]
+        assert entry["backend"]["affinity"]["enabled"] is False
+
+
+def test_thirty_conversations_at_once_spread_within_a_fifth() -> None:
+    with (
+        upstreams("held", "held", "held") as ups,
+        gateway([u.url for u in ups], health_interval=60, timeout=20) as base,
+    ):
+        results: list[httpx.Response] = []
+
+        def one(n: int) -> None:
+            results.append(post(base, messages=conversation(f"conversation {n}", 3)))
+
+        threads = [threading.Thread(target=one, args=(n,)) for n in range(30)]
+        for t in threads:
+            t.start()
+            time.sleep(0.01)  # arriving one after another, all in flight together
+        deadline = time.monotonic() + 10
+        while sum(len(u.posts) for u in ups) < 30 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        spread = sorted(len(u.posts) for u in ups)
+        for u in ups:
+            u.release.set()
+        for t in threads:
+            t.join(20)
+        assert all(r.status_code == 200 for r in results) and len(results) == 30
+        assert spread[0] >= 8 and spread[-1] <= 12, spread  # 10 each, +-20 %

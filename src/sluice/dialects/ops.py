@@ -99,6 +99,7 @@ def _upstream(state: ServerState, public: str, slot: UpstreamSlot, model: str) -
                 {"url": r.url, "state": r.state, "outstanding": r.outstanding}
                 for r in slot.pool.status()
             ],
+            "affinity": slot.pool.affinity_view(),
         },
         "context_window": window,
         "modalities": TEXT,

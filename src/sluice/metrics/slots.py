@@ -63,6 +63,9 @@ class Metrics:
         self.decoding: Callable[[], Mapping[str, tuple[int, int, int]]] = dict
         self.registry.register(_SlotCollector(self._slots))
         self.registry.register(_DecodingCollector(lambda: self.decoding()))
+        # Each upstream slot's cache affinity: (choices by kind, conversations pinned).
+        self.affinity: Callable[[], Mapping[str, tuple[Mapping[str, int], int]]] = dict
+        self.registry.register(_AffinityCollector(lambda: self.affinity()))
         self._by_key = Counter(
             "sluice_requests_by_key",
             "Requests that passed the API key check, by the key's name.",
@@ -393,6 +396,32 @@ class _DecodingCollector(Collector):
             drafted.add_metric([name, "rejected"], n_drafted - n_accepted)
             forced.add_metric([name], n_forced)
         return [drafted, forced]
+
+
+class _AffinityCollector(Collector):
+    """Which replica each upstream slot's requests went to, and why (``affinity.py``)."""
+
+    def __init__(self, read: Callable[[], Mapping[str, tuple[Mapping[str, int], int]]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterable[Metric]:
+        choices = CounterMetricFamily(
+            "sluice_upstream_affinity_choices",
+            "Replica choices by kind: pinned (the replica holding the conversation's "
+            "prefix), hashed (a new conversation's), moved (the pinned one down or full), "
+            "unkeyed (no conversation named: the least busy).",
+            labels=["slot", "choice"],
+        )
+        pinned = GaugeMetricFamily(
+            "sluice_upstream_affinity_conversations",
+            "Conversations pinned to a replica.",
+            labels=["slot"],
+        )
+        for name, (counts, conversations) in self._read().items():
+            for kind, n in counts.items():
+                choices.add_metric([name, kind], n)
+            pinned.add_metric([name], conversations)
+        return [choices, pinned]
 
 
 def _nearest_rank(ranked: list[float], percent: int) -> float:

@@ -28,7 +28,7 @@ import contextlib
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from sluice.core.backend import Backend, Embeddings, LoadOptions, Progress, ResponseStream
 from sluice.core.errors import SluiceError, spec_for
@@ -36,6 +36,7 @@ from sluice.core.request import GenerationRequest
 from sluice.metrics import Metrics, OpenAIChunkTap, RequestMeter, metered
 from sluice.models.flights import Flights, Waiting
 from sluice.models.registry import ModelRegistry
+from sluice.upstream.affinity import affinity_key
 from sluice.upstream.backend import Passthrough, UpstreamModel, UpstreamSlot
 
 log = logging.getLogger("sluice.router")
@@ -203,10 +204,26 @@ class Dispatcher:
         *,
         tap: type[OpenAIChunkTap] = OpenAIChunkTap,
         prefix: str = "/v1",
+        conversation: Mapping[str, Any] | None = None,
+        session: Mapping[str, str] | None = None,
+        key_ids: bool = False,
     ) -> Passthrough:
         """``target``'s answer to a body in its own dialect, forwarded unchanged (see
-        ``UpstreamModel.passthrough``), in flight until it ends."""
+        ``UpstreamModel.passthrough``), in flight until it ends.
+
+        Cache affinity among the slot's replicas: ``conversation`` is the parsed body
+        and ``session`` the request's headers, which name the conversation
+        (``upstream.affinity.affinity_key``); with ``key_ids`` (Responses) the answer's
+        id names it too, and a ``previous_response_id`` goes where that id was answered.
+        """
         slot = target.slot.name
+        key: str | None = None
+        if conversation is not None and target.slot.pool.keyed:
+            previous = conversation.get("previous_response_id") if key_ids else None
+            if isinstance(previous, str) and previous:
+                key = "r:" + previous
+            else:
+                key = affinity_key(conversation, session)
         return await target.backend().passthrough(
             path,
             body,
@@ -214,6 +231,8 @@ class Dispatcher:
             tap=tap,
             on_start=lambda a: self.flights.track(a, slot),
             prefix=prefix,
+            key=key,
+            key_ids=key_ids,
         )
 
     def native(self, name: object, api: str) -> UpstreamTarget | None:

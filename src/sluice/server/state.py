@@ -181,6 +181,11 @@ def build_state(
         UpstreamSlot(spec, UpstreamPool(spec), meters.slot(spec.name, "upstream"))
         for spec in (upstreams_of(config) if config is not None else [])
     ]
+    meters.affinity = lambda: {
+        slot.name: (slot.pool.affinity.stats(), slot.pool.affinity.conversations)
+        for slot in upstreams
+        if slot.pool.keyed
+    }
     dispatcher = Dispatcher(registry, upstreams, meters)
     return ServerState(
         settings,

@@ -42,6 +42,7 @@ from sluice.core.events import ErrorEvent, Event, Finish
 from sluice.core.interrupt import Interrupt
 from sluice.core.request import GenerationRequest
 from sluice.metrics import OpenAIChunkTap, RequestMeter, SlotMetrics
+from sluice.upstream.affinity import affinity_key
 from sluice.upstream.codec import (
     ChunkDecoder,
     error_from_response,
@@ -129,7 +130,9 @@ class UpstreamModel:
     async def open(self, request: GenerationRequest) -> UpstreamStream:
         path, body = upstream_body(request, self.name)
         raw = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
-        response = await self.slot.pool.send(path, raw, {"accept": "text/event-stream"})
+        pool = self.slot.pool
+        key = affinity_key(body) if pool.keyed else None
+        response = await pool.send(path, raw, {"accept": "text/event-stream"}, key=key)
         try:
             if response.status != 200:
                 content = await response.aread()
@@ -203,19 +206,27 @@ class UpstreamModel:
         tap: type[OpenAIChunkTap] = OpenAIChunkTap,
         on_start: Callable[[Passthrough], None] | None = None,
         prefix: str = "/v1",
+        key: str | None = None,
+        key_ids: bool = False,
     ) -> Passthrough:
         """Send a body in the upstream's own dialect (``model`` already the upstream's
         name) and hand back the answer to forward unchanged. Errors before the first
         byte are raised. ``tap`` reads the dialect's events for the slot's metrics
         (:class:`~sluice.metrics.AnthropicEventTap` for Anthropic's Messages);
         ``on_start`` hears of the answer before it is sent (to list it in flight while
-        the upstream has not answered yet, which may be the whole generation)."""
+        the upstream has not answered yet, which may be the whole generation).
+        ``key`` names the conversation for the replicas' cache affinity; with
+        ``key_ids`` the answer's id names it too (``"r:<id>"``: a Responses
+        ``previous_response_id`` then finds the replica that stored it)."""
+        pool = self.slot.pool
         answer = Passthrough(tap(self.slot.metrics.request()), self.slot.name, self.name)
+        if key is not None and key_ids and pool.keyed:
+            answer.on_id = lambda response_id: pool.affinity.alias("r:" + response_id, key)
         if on_start is not None:
             on_start(answer)
         try:
             answer._response = await answer._interrupt.wait(
-                lambda: self.slot.pool.send(path, body, headers, prefix=prefix)
+                lambda: pool.send(path, body, headers, prefix=prefix, key=key)
             )
         except BaseException as exc:
             answer._finish(error=isinstance(exc, SluiceError))
@@ -298,6 +309,7 @@ class Passthrough:
     model: str
     _response: UpstreamResponse | None = None  # once the upstream has answered
     on_end: Callable[[], None] | None = None  # called once, when the answer ends
+    on_id: Callable[[str], None] | None = None  # hears the answer's id (the tap's)
     flight: Any = None  # its entry among the requests in flight
     _done: bool = field(default=False, init=False)
     _interrupt: Interrupt = field(default_factory=Interrupt, init=False)
@@ -333,6 +345,8 @@ class Passthrough:
     def _named(self, response_id: str) -> None:
         if self.flight is not None:
             self.flight.registry.rename(self.flight, response_id)
+        if self.on_id is not None:
+            self.on_id(response_id)
 
     @property
     def status(self) -> int:

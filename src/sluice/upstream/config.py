@@ -10,6 +10,8 @@ Example (a file)::
     aliases = { qwen = "Qwen/Qwen2.5-7B-Instruct" }
     timeout = 300                         # seconds without a byte before it counts as failed
     native_apis = ["anthropic"]           # dialects it speaks itself: their requests pass through
+    affinity = true                       # a conversation's turns to the replica holding its prefix
+    affinity_load_factor = 1.1            # ... while it has at most 1.1x the mean requests + 1
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from sluice.config.file import ConfigError, ConfigFile, describe_value
+from sluice.upstream.affinity import DEFAULT_LOAD_FACTOR
 
 DEFAULT_TIMEOUT = 300.0
 DEFAULT_CONNECT_TIMEOUT = 5.0
@@ -43,6 +46,8 @@ _KEYS = frozenset(
         "connect_timeout",
         "health_interval",
         "native_apis",
+        "affinity",
+        "affinity_load_factor",
     }
 )
 
@@ -60,6 +65,8 @@ class UpstreamSpec:
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
     health_interval: float = DEFAULT_HEALTH_INTERVAL  # seconds between checks of a healthy replica
     native_apis: frozenset[str] = frozenset()  # of NATIVE_APIS: passed through, not translated
+    affinity: bool = True  # a conversation's turns go to the replica that holds its prefix
+    affinity_load_factor: float = DEFAULT_LOAD_FACTOR  # ... within this bound (affinity.py)
 
     def __hash__(self) -> int:
         return hash((self.name, self.urls))
@@ -169,9 +176,19 @@ def _entry(file: Path, index: int, table: dict[str, Any], env: Mapping[str, str]
     for api in native:
         if api not in NATIVE_APIS:
             raise t.error("native_apis", f"names {api!r}; known: {', '.join(sorted(NATIVE_APIS))}")
+    affinity = table.get("affinity", True)
+    if not isinstance(affinity, bool):
+        raise t.error("affinity", f"must be true or false, not {describe_value(affinity)}")
+    factor = table.get("affinity_load_factor", DEFAULT_LOAD_FACTOR)
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1:
+        raise t.error(
+            "affinity_load_factor", f"must be a number of at least 1, not {describe_value(factor)}"
+        )
     return UpstreamSpec(
         name=name,
         native_apis=frozenset(native),
+        affinity=affinity,
+        affinity_load_factor=float(factor),
         urls=tuple(dict.fromkeys(base_url(u) for u in urls)),
         api_key=api_key,
         models=models,

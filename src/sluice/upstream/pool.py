@@ -1,8 +1,9 @@
 """The replicas of one upstream slot: choice, failover before the first byte, health checks.
 
 One :class:`UpstreamPool` per ``[[upstreams]]`` entry. :meth:`UpstreamPool.send`
-POSTs a body to the least busy replica not known to be down and fails over to
-the next one while nothing has been answered yet (a refused connection, a
+POSTs a body to the replica that holds the conversation's prefix (cache affinity,
+``affinity.py``; else the least busy one) among those not known to be down, and fails
+over to the next one while nothing has been answered yet (a refused connection, a
 timeout, a 5xx other than 503). After the first byte a failure is the caller's
 to report (the gateway's rule: an error frame or a 502): the pool only maps it to a typed
 error and has the replica checked at once.
@@ -30,6 +31,7 @@ from typing import Any, Literal, Self
 from urllib.parse import urlsplit
 
 from sluice.core.errors import UpstreamFailed, UpstreamTimeout, UpstreamUnavailable
+from sluice.upstream.affinity import Affinity, Candidate
 from sluice.upstream.config import UpstreamSpec
 from sluice.upstream.wire import (
     ConnectTimeout,
@@ -225,7 +227,7 @@ class UpstreamPool:
     def __init__(self, spec: UpstreamSpec) -> None:
         self.spec = spec
         self._replicas = [_Replica(url) for url in spec.urls]
-        self._rr = 0  # round-robin offset among equally busy replicas
+        self._rr = 0  # round-robin offset among equally busy replicas (and the unkeyed)
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
         self._headers = {"content-type": "application/json", "accept-encoding": "identity"}
@@ -234,6 +236,7 @@ class UpstreamPool:
             # Anthropic's header too: a server that speaks Messages natively may read
             # only that one, and OpenAI servers ignore it.
             self._headers["x-api-key"] = spec.api_key
+        self.affinity = Affinity(spec.affinity_load_factor)
         # Keep-alive HTTP/1.1: a gateway holds one connection per streaming request.
         # Upstreams are named by the config (no HTTP(S)_PROXY), redirects not followed.
         self._client = WireClient(connect_timeout=spec.connect_timeout, timeout=spec.timeout)
@@ -273,9 +276,11 @@ class UpstreamPool:
         headers: Mapping[str, str] | None = None,
         *,
         prefix: str = "/v1",
+        key: str | None = None,
     ) -> UpstreamResponse:
         """POST ``body`` to ``<replica><prefix><path>`` (``/v1`` but for Gemini's
-        ``/v1beta``); the response once its headers arrived.
+        ``/v1beta``); the response once its headers arrived. ``key`` names the
+        conversation (``affinity.affinity_key``): its turns go to the same replica.
 
         Fails over to the next usable replica on a connection failure, a timeout
         or a 5xx other than 503; a 429/503 (busy) tries the next one too, and if
@@ -287,13 +292,13 @@ class UpstreamPool:
         merged = dict(self._headers)
         if headers:
             merged.update({k.lower(): v for k, v in headers.items()})
-        tried: set[int] = set()
         busy: UpstreamResponse | None = None
         failure: UpstreamFailed | None = None
         try:
-            while (index := self._pick(tried)) is not None:
-                tried.add(index)
+            for index in self._order(key):
                 replica = self._replicas[index]
+                if replica.state == "down":
+                    continue  # marked down by another request since the order was made
                 replica.outstanding += 1
                 try:
                     with upstream_errors(self.spec, replica.url):
@@ -327,6 +332,8 @@ class UpstreamPool:
                     continue
                 if busy is not None:
                     await busy.aclose()
+                if key is not None and self.keyed:
+                    self.affinity.remember(key, replica.url)
                 return answer
         except BaseException:  # cancelled: a busy answer kept for later is nobody's now
             if busy is not None:
@@ -338,20 +345,25 @@ class UpstreamPool:
             raise failure
         raise self._unavailable()
 
-    def _pick(self, tried: set[int]) -> int | None:
-        """The least busy replica not known down and not tried yet; ties in turn."""
-        n = len(self._replicas)
+    def _order(self, key: str | None) -> list[int]:
+        """The replicas not known down, in the order to try them: with a conversation's
+        ``key`` (and affinity on) the one holding its prefix first, within the load
+        bound (``affinity.py``); else the least busy first, ties in turn."""
+        replicas = self._replicas
+        n = len(replicas)
+        if n == 1:
+            return [] if replicas[0].state == "down" else [0]
         start = self._rr % n
         self._rr += 1
-        best: int | None = None
-        for k in range(n):
-            i = (start + k) % n
-            r = self._replicas[i]
-            if i in tried or r.state == "down":
-                continue
-            if best is None or r.outstanding < self._replicas[best].outstanding:
-                best = i
-        return best
+        turn = replicas[start:] + replicas[:start]
+        candidates = [Candidate(r.url, r.state != "down", r.outstanding) for r in turn]
+        order = self.affinity.order(key if self.keyed else None, candidates)
+        return [(start + i) % n for i in order]
+
+    @property
+    def keyed(self) -> bool:
+        """Whether conversations are routed by affinity (several replicas, ``affinity``)."""
+        return self.spec.affinity and len(self._replicas) > 1
 
     def _unavailable(self) -> UpstreamUnavailable:
         now = time.monotonic()
@@ -509,6 +521,18 @@ class UpstreamPool:
             )
             for r in self._replicas
         ]
+
+    def affinity_view(self) -> dict[str, Any]:
+        """The replicas' cache affinity for ``/v1/info``: on or off, its bound, how many
+        conversations it pins, and its choices so far (``pinned``: the replica holding
+        the conversation; ``hashed``: a new conversation's; ``moved``: elsewhere, the
+        pinned one being down or full; ``unkeyed``: no conversation named, least busy)."""
+        return {
+            "enabled": self.keyed,
+            "load_factor": self.affinity.load_factor,
+            "conversations": self.affinity.conversations,
+            "choices": self.affinity.stats(),
+        }
 
     def state(self) -> Literal["unknown", "healthy", "degraded", "down"]:
         """``healthy`` (all), ``degraded`` (some down), ``down`` (all), else ``unknown``."""

@@ -154,7 +154,15 @@ async def _passthrough(
     data["model"] = target.model
     raw = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
     headers = {k: v for k in _FORWARDED if (v := request.headers.get(k)) is not None}
-    answer = await state.dispatcher.passthrough(target, path, raw, headers, tap=AnthropicEventTap)
+    answer = await state.dispatcher.passthrough(
+        target,
+        path,
+        raw,
+        headers,
+        tap=AnthropicEventTap,
+        conversation=data,
+        session=request.headers,
+    )
     return await forward(
         request, state.settings, answer, failure_frame=error_frame, render_error=error_response
     )

@@ -169,7 +169,14 @@ async def _passthrough(
     if key:
         headers["x-goog-api-key"] = key
     answer = await state.dispatcher.passthrough(
-        target, path, raw, headers, tap=GeminiRecordTap, prefix=PREFIX
+        target,
+        path,
+        raw,
+        headers,
+        tap=GeminiRecordTap,
+        prefix=PREFIX,
+        conversation={**data, "model": target.model} if isinstance(data, dict) else None,
+        session=request.headers,
     )
     sse = request.query_params.get("alt") == "sse"
     return await forward(

@@ -68,6 +68,7 @@ class _Parsed:
     # An upstream model's request: the body to forward, only ``model`` rewritten.
     upstream: UpstreamTarget | None = None
     forward: bytes = b""
+    conversation: dict[str, Any] | None = None  # the forwarded body, parsed (cache affinity)
 
 
 Router = Callable[[str | None], UpstreamTarget | None]
@@ -90,7 +91,7 @@ def _route(data: dict[str, Any], raw: bytes, route: Router) -> _Parsed | None:
     if name != target.model:  # an alias: the upstream gets its own name
         data["model"] = target.model
         raw = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
-    return _Parsed(data.get("stream") is True, upstream=target, forward=raw)
+    return _Parsed(data.get("stream") is True, upstream=target, forward=raw, conversation=data)
 
 
 def _parse(
@@ -184,7 +185,12 @@ async def _passthrough(
     accept = request.headers.get("accept")
     try:
         answer = await state.dispatcher.passthrough(
-            target, path, parsed.forward, {"accept": accept} if accept else None
+            target,
+            path,
+            parsed.forward,
+            {"accept": accept} if accept else None,
+            conversation=parsed.conversation,
+            session=request.headers,
         )
     except SluiceError as exc:  # no replica answered: 502, or 503 when all are down
         return error_response(exc, sse=parsed.stream and wants_sse(request))

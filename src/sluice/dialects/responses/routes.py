@@ -520,7 +520,14 @@ async def _passthrough(request: Request, target: UpstreamTarget, data: dict[str,
     raw = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
     accept = request.headers.get("accept")
     answer = await state.dispatcher.passthrough(
-        target, "/responses", raw, {"accept": accept} if accept else None, tap=ResponsesEventTap
+        target,
+        "/responses",
+        raw,
+        {"accept": accept} if accept else None,
+        tap=ResponsesEventTap,
+        conversation=data,
+        session=request.headers,
+        key_ids=True,  # previous_response_id: to the replica that stored it
     )
     return await forward(
         request, state.settings, answer, failure_frame=error_frame, render_error=error_response
