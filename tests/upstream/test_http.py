@@ -259,6 +259,31 @@ class Upstream:
         sock.sendall(b"0\r\n\r\n")
         return True
 
+    def _resumable(self, sock: socket.socket, body: dict[str, Any]) -> bool:
+        """A first request's stream dropped after "Hel", "lo"; a continuation's
+        (``continue_final_message``) answered with " world" and its own id and usage."""
+        self._stream_head(sock)
+        if not body.get("continue_final_message"):
+            for event in GOOD_EVENTS[:3]:
+                self._chunk(sock, sse_event(event))
+            time.sleep(0.05)
+            sock.shutdown(socket.SHUT_RDWR)
+            return False
+        other = {"id": "chatcmpl-other", "created": 2}
+        for event in [
+            {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+            {"choices": [{"index": 0, "delta": {"content": " world"}, "finish_reason": None}]},
+            {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+            {
+                "choices": [],
+                "usage": {"prompt_tokens": 9, "completion_tokens": 1, "total_tokens": 10},
+            },
+        ]:
+            self._chunk(sock, sse_event(event | other))
+        self._chunk(sock, b"data: [DONE]\n\n")
+        sock.sendall(b"0\r\n\r\n")
+        return True
+
     def _stall(self, sock: socket.socket, body: dict[str, Any]) -> bool:
         time.sleep(3)
         return False
@@ -876,3 +901,71 @@ def test_thirty_conversations_at_once_spread_within_a_fifth() -> None:
             t.join(20)
         assert all(r.status_code == 200 for r in results) and len(results) == 30
         assert spread[0] >= 8 and spread[-1] <= 12, spread  # 10 each, +-20 %
+
+
+def test_a_stream_dropped_mid_answer_is_continued_by_another_replica() -> None:
+    import openai
+
+    with (
+        upstreams("resumable", "resumable") as ups,
+        gateway([u.url for u in ups], health_interval=60) as base,
+    ):
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+        stream = client.chat.completions.create(
+            model="m1",
+            messages=[{"role": "user", "content": "hi"}],
+            stream=True,
+            max_tokens=50,
+            stream_options={"include_usage": True},
+        )
+        chunks = list(stream)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == "Hello world"
+        finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+        assert [f for f in finishes if f] == ["stop"]
+        assert {c.id for c in chunks} == {"chatcmpl-up"} and {c.created for c in chunks} == {1}
+        usage = chunks[-1].usage
+        assert usage is not None
+        # The continuation's prompt held the two tokens already sent: moved to completion.
+        assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (7, 3, 10)
+        _, second = sorted(ups, key=lambda u: len(u.posts[0]["body"]["messages"]))
+        asked = second.posts[-1]["body"]
+        assert asked["messages"][-1] == {"role": "assistant", "content": "Hello"}
+        assert asked["continue_final_message"] is True
+        assert asked["add_generation_prompt"] is False
+        assert asked["max_tokens"] == 48
+
+
+def test_a_dropped_answer_continues_through_anthropic_and_ollama() -> None:
+    import anthropic
+    import ollama
+
+    with (
+        upstreams("resumable", "resumable") as ups,
+        gateway([u.url for u in ups], health_interval=60) as base,
+    ):
+        claude = anthropic.Anthropic(base_url=base, api_key="x", max_retries=0)
+        with claude.messages.stream(
+            model="m1", max_tokens=50, messages=[{"role": "user", "content": "hi"}]
+        ) as stream:
+            text = "".join(stream.text_stream)
+            final = stream.get_final_message()
+        assert text == "Hello world"
+        assert final.stop_reason == "end_turn"
+        assert (final.usage.input_tokens, final.usage.output_tokens) == (7, 3)
+        parts = ollama.Client(host=base).chat(
+            model="m1", messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+        pieces = list(parts)
+        assert "".join(p.message.content or "" for p in pieces) == "Hello world"
+        assert pieces[-1].done and pieces[-1].eval_count == 3
+
+
+def test_no_continuation_without_another_replica_or_with_failover_off() -> None:
+    with upstreams("resumable", "resumable") as ups:
+        for urls, slot in (([ups[0].url], {}), ([u.url for u in ups], {"failover": False})):
+            with gateway(urls, health_interval=60, **slot) as base:
+                r = post(base)
+                events = parse_sse(r.content)
+                assert events[-1].event == "error", events[-1]
+        assert not any(p["body"].get("continue_final_message") for u in ups for p in u.posts)

@@ -207,6 +207,7 @@ class Dispatcher:
         conversation: Mapping[str, Any] | None = None,
         session: Mapping[str, str] | None = None,
         key_ids: bool = False,
+        resume: bool = False,
     ) -> Passthrough:
         """``target``'s answer to a body in its own dialect, forwarded unchanged (see
         ``UpstreamModel.passthrough``), in flight until it ends.
@@ -215,6 +216,8 @@ class Dispatcher:
         and ``session`` the request's headers, which name the conversation
         (``upstream.affinity.affinity_key``); with ``key_ids`` (Responses) the answer's
         id names it too, and a ``previous_response_id`` goes where that id was answered.
+        ``resume``: ``conversation`` is an OpenAI chat or completions stream whose answer
+        another replica may continue if this one drops it (mid-stream failover).
         """
         slot = target.slot.name
         key: str | None = None
@@ -233,6 +236,7 @@ class Dispatcher:
             prefix=prefix,
             key=key,
             key_ids=key_ids,
+            resume=conversation if resume else None,
         )
 
     def native(self, name: object, api: str) -> UpstreamTarget | None:

@@ -24,7 +24,7 @@ import asyncio
 import dataclasses
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -36,6 +36,7 @@ from sluice.core.errors import (
     SluiceError,
     UpstreamFailed,
     UpstreamMalformed,
+    UpstreamUnavailable,
     as_sluice_error,
 )
 from sluice.core.events import ErrorEvent, Event, Finish
@@ -51,6 +52,7 @@ from sluice.upstream.codec import (
 )
 from sluice.upstream.config import UpstreamSpec
 from sluice.upstream.pool import UpstreamPool, UpstreamResponse
+from sluice.upstream.resume import Partial, continuation_body, role_only, spliced_usage
 from sluice.upstream.sse import SSEDecoder
 
 log = logging.getLogger("sluice.router")
@@ -141,7 +143,10 @@ class UpstreamModel:
             await response.aclose()
             raise
         meta = stream_meta(request, self.name, slot=self.slot.name, replica=response.replica)
-        return UpstreamStream(meta, response, ChunkDecoder(chat=request.is_chat))
+        resume = None
+        if self.slot.spec.failover and len(pool.status()) > 1:
+            resume = Resume(pool, path, body, {"accept": "text/event-stream"}, key, request.is_chat)
+        return UpstreamStream(meta, response, ChunkDecoder(chat=request.is_chat), resume)
 
     async def count_prompt_tokens(self, request: GenerationRequest) -> int:
         """The prompt tokens of ``request`` as the upstream counts them.
@@ -208,6 +213,7 @@ class UpstreamModel:
         prefix: str = "/v1",
         key: str | None = None,
         key_ids: bool = False,
+        resume: Mapping[str, Any] | None = None,
     ) -> Passthrough:
         """Send a body in the upstream's own dialect (``model`` already the upstream's
         name) and hand back the answer to forward unchanged. Errors before the first
@@ -217,9 +223,14 @@ class UpstreamModel:
         the upstream has not answered yet, which may be the whole generation).
         ``key`` names the conversation for the replicas' cache affinity; with
         ``key_ids`` the answer's id names it too (``"r:<id>"``: a Responses
-        ``previous_response_id`` then finds the replica that stored it)."""
+        ``previous_response_id`` then finds the replica that stored it). ``resume``:
+        the body of an OpenAI chat or completions stream (``path``), whose answer is
+        then continued by another replica if this one drops it (``failover``)."""
         pool = self.slot.pool
         answer = Passthrough(tap(self.slot.metrics.request()), self.slot.name, self.name)
+        if resume is not None and self.slot.spec.failover and len(pool.status()) > 1:
+            chat = path == "/chat/completions"
+            answer.resume = Resume(pool, path, resume, headers, key, chat)
         if key is not None and key_ids and pool.keyed:
             answer.on_id = lambda response_id: pool.affinity.alias("r:" + response_id, key)
         if on_start is not None:
@@ -235,58 +246,157 @@ class UpstreamModel:
 
 
 class UpstreamStream:
-    """The upstream's SSE as sluice events (the backend protocol's ``ResponseStream``)."""
+    """The upstream's SSE as sluice events (the backend protocol's ``ResponseStream``).
 
-    def __init__(self, meta: StreamMeta, response: UpstreamResponse, decoder: ChunkDecoder) -> None:
+    With ``resume``, an answer the upstream drops is continued by another replica
+    (``resume.py``): its chunks go on through the same decoder, so the dialect's
+    formatter sees one answer.
+    """
+
+    def __init__(
+        self,
+        meta: StreamMeta,
+        response: UpstreamResponse,
+        decoder: ChunkDecoder,
+        resume: Resume | None = None,
+    ) -> None:
         self.meta = meta
         self._response = response
         self._decoder = decoder
+        self._resume = resume
+        self._sent = 0  # a continuation's: tokens streamed before it (its usage is moved)
 
     def __aiter__(self) -> AsyncIterator[Event]:
         return self._events()
 
     async def _events(self) -> AsyncIterator[Event]:
+        partial = Partial() if self._resume is not None else None
+        tried = {self._response.replica}
+        while True:
+            failure: UpstreamFailed | None = None
+            decoded = self._decoded(partial is not None)
+            try:
+                async for event in decoded:
+                    if isinstance(event, _Dropped):
+                        failure = event.error
+                        break
+                    if partial is not None:
+                        partial.add_event(event)
+                    yield event
+            finally:
+                await decoded.aclose()
+            if failure is None:
+                return
+            assert partial is not None and self._resume is not None
+            response = await self._continuation(failure, partial, tried)
+            if response is None:
+                yield ErrorEvent(failure)
+                return
+            self._response = response
+            self._sent = partial.tokens
+
+    async def _continuation(
+        self, failure: UpstreamFailed, partial: Partial, tried: set[str]
+    ) -> UpstreamResponse | None:
+        """Another replica's stream continuing ``partial``; None if none can."""
+        resume = self._resume
+        assert resume is not None
+        while len(tried) < len(resume.pool.status()):
+            body = continuation_body(resume.body, chat=resume.chat, partial=partial)
+            if body is None:
+                return None
+            try:
+                response = await resume.pool.send(
+                    resume.path, orjson.dumps(body), resume.headers, key=resume.key, exclude=tried
+                )
+            except (UpstreamFailed, UpstreamUnavailable):
+                return None
+            tried.add(response.replica)
+            if response.status == 200:
+                log.warning(
+                    "upstream %r: a stream failed after %d tokens (%s); %s continues it",
+                    resume.pool.spec.name,
+                    partial.tokens,
+                    failure.message,
+                    response.replica,
+                )
+                return response
+            await response.aclose()
+        return None
+
+    async def _decoded(self, resumable: bool) -> AsyncGenerator[Event | _Dropped, None]:
+        """One upstream stream's events; with ``resumable``, a drop before the answer
+        finished is a :class:`_Dropped` rather than the error event."""
         sse = SSEDecoder()
+        decoder = self._decoder
         try:
             async for chunk in self._response.aiter_raw():
                 for message in sse.feed(chunk):
                     if message.data == "[DONE]":
-                        for event in self._decoder.end():
+                        if resumable and not decoder.finished:
+                            yield _Dropped(UpstreamFailed("The upstream ended the answer early."))
+                            return
+                        for event in decoder.end():
                             yield event
                         return
                     if not message.data:
                         continue  # a comment (": ping") or an empty event
-                    try:
-                        data = json.loads(message.data)
-                    except ValueError:
-                        data = None
+                    data = _json_value(message.data)
                     if not isinstance(data, dict):
                         yield ErrorEvent(_malformed(message.data))
                         return
-                    for event in self._decoder.feed(data):
+                    usage = data.get("usage")
+                    if self._sent and isinstance(usage, dict):
+                        data["usage"] = spliced_usage(usage, self._sent)
+                    for event in decoder.feed(data):
                         yield event
                         if isinstance(event, ErrorEvent):
                             return
         except SluiceError as exc:
+            if (
+                resumable
+                and isinstance(exc, UpstreamFailed)
+                and not isinstance(exc, UpstreamMalformed)
+                and not decoder.finished
+            ):
+                yield _Dropped(exc)
+                return
             yield ErrorEvent(exc)
             return
-        if sse.pending():
-            yield ErrorEvent(
-                UpstreamFailed("The upstream cut the stream in the middle of an event.")
-            )
+        if sse.pending() or (resumable and not decoder.finished):
+            error = UpstreamFailed("The upstream cut the stream in the middle of an event.")
+            yield _Dropped(error) if resumable else ErrorEvent(error)
             return
-        for event in (
-            self._decoder.end()
-        ):  # a clean end without [DONE] (some servers' chunk schema allows it)
+        for event in decoder.end():  # a clean end without [DONE] (some servers' schema)
             yield event
 
     async def aclose(self) -> None:
         await self._response.aclose()
 
 
+@dataclass(frozen=True, slots=True)
+class _Dropped:
+    """An upstream stream that broke off before its answer finished (not an event)."""
+
+    error: UpstreamFailed
+
+
 def _malformed(data: str) -> UpstreamMalformed:
     shown = data if len(data) <= 80 else data[:77] + "..."
     return UpstreamMalformed(f"The upstream sent an event that is not an OpenAI chunk: {shown!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """What a passthrough needs to have its answer continued by another replica: the
+    request as it went up (an OpenAI chat or completions streaming body) and where."""
+
+    pool: UpstreamPool
+    path: str
+    body: Mapping[str, Any]
+    headers: Mapping[str, str] | None
+    key: str | None
+    chat: bool
 
 
 @dataclass(slots=True)
@@ -311,6 +421,8 @@ class Passthrough:
     on_end: Callable[[], None] | None = None  # called once, when the answer ends
     on_id: Callable[[str], None] | None = None  # hears the answer's id (the tap's)
     flight: Any = None  # its entry among the requests in flight
+    resume: Resume | None = None  # set: a dropped stream is continued elsewhere
+    _first: dict[str, Any] | None = field(default=None, init=False)  # its first chunk
     _done: bool = field(default=False, init=False)
     _interrupt: Interrupt = field(default_factory=Interrupt, init=False)
 
@@ -398,33 +510,116 @@ class Passthrough:
             interrupt.waiting = None
 
     async def stream(self) -> AsyncIterator[bytes]:
-        """Whole SSE events, byte for byte, as they arrive."""
+        """Whole SSE events, byte for byte, as they arrive. With :attr:`resume` set, an
+        answer the upstream drops is continued by another replica (``resume.py``)."""
         sse = SSEDecoder()
         tap = self.tap
         finished = False  # [DONE] or a finish_reason seen: a clean end is then complete
+        partial = Partial() if self.resume is not None else None
         try:
-            while chunk := await self._read():
-                out: list[bytes] = []
-                for message in sse.feed(chunk):
-                    data = message.data
-                    if data == "[DONE]":
-                        finished = True
-                    elif data:
-                        parsed = _json_object(data)
-                        if parsed is None:
-                            if out:
-                                yield b"".join(out)
-                            raise _malformed(data)
-                        finished = tap.event(parsed) or finished
-                    out.append(message.raw)
-                if out:
-                    yield out[0] if len(out) == 1 else b"".join(out)
-            if sse.pending() or not finished:
-                raise UpstreamFailed("The upstream ended the stream before finishing it.")
+            try:
+                while chunk := await self._read():
+                    out: list[bytes] = []
+                    for message in sse.feed(chunk):
+                        data = message.data
+                        if data == "[DONE]":
+                            finished = True
+                        elif data:
+                            parsed = _json_object(data)
+                            if parsed is None:
+                                if out:
+                                    yield b"".join(out)
+                                raise _malformed(data)
+                            finished = tap.event(parsed) or finished
+                            if partial is not None:
+                                partial.add_chunk(parsed)
+                                if self._first is None:
+                                    self._first = parsed
+                        out.append(message.raw)
+                    if out:
+                        yield out[0] if len(out) == 1 else b"".join(out)
+                if sse.pending() or not finished:
+                    raise UpstreamFailed("The upstream ended the stream before finishing it.")
+            except UpstreamFailed as exc:
+                if partial is None or finished or isinstance(exc, UpstreamMalformed):
+                    raise
+                async for piece in self._continued(exc, partial):
+                    yield piece
         except SluiceError:
             self._finish(error=True)
             raise
         self._finish(error=False)
+
+    async def _continued(self, failure: UpstreamFailed, partial: Partial) -> AsyncIterator[bytes]:
+        """The rest of a dropped answer from other replicas, spliced on as one stream:
+        their chunks renamed to the first answer's id, ``created`` and ``model``, their
+        role-only opening dropped, their usage the whole answer's. Raises ``failure``
+        when no replica can continue it."""
+        resume = self.resume
+        assert resume is not None
+        tried = {self.response.replica}
+        first = self._first or {}
+        names: dict[str, Any] = {k: first[k] for k in ("id", "created", "model") if k in first}
+        while len(tried) < len(resume.pool.status()):
+            body = continuation_body(resume.body, chat=resume.chat, partial=partial)
+            if body is None:
+                break
+            raw = orjson.dumps(body)
+            try:
+                response = await self._interrupt.wait(
+                    lambda raw=raw: resume.pool.send(  # type: ignore[misc]
+                        resume.path, raw, resume.headers, key=resume.key, exclude=tried
+                    )
+                )
+            except (UpstreamFailed, UpstreamUnavailable):
+                break  # no replica left to ask
+            tried.add(response.replica)
+            self._response = response
+            if response.status != 200:
+                break
+            log.warning(
+                "upstream %r: a stream failed after %d tokens (%s); %s continues it",
+                self.slot,
+                partial.tokens,
+                failure.message,
+                response.replica,
+            )
+            sent = partial.tokens
+            sse = SSEDecoder()
+            finished = False
+            try:
+                while chunk := await self._read():
+                    out: list[bytes] = []
+                    for message in sse.feed(chunk):
+                        data = message.data
+                        if data == "[DONE]":
+                            finished = True
+                            out.append(message.raw)
+                            continue
+                        if not data:
+                            continue
+                        parsed = _json_object(data)
+                        if parsed is None:
+                            raise _malformed(data)
+                        if resume.chat and role_only(parsed):
+                            continue
+                        parsed.update(names)
+                        usage = parsed.get("usage")
+                        if isinstance(usage, dict):
+                            parsed["usage"] = spliced_usage(usage, sent)
+                        finished = self.tap.event(parsed) or finished
+                        partial.add_chunk(parsed)
+                        out.append(b"data: " + orjson.dumps(parsed) + b"\n\n")
+                    if out:
+                        yield b"".join(out)
+                if not sse.pending() and finished:
+                    return
+                failure = UpstreamFailed("The upstream ended the stream before finishing it.")
+            except UpstreamFailed as exc:
+                if finished or isinstance(exc, UpstreamMalformed):
+                    raise
+                failure = exc
+        raise failure
 
     async def stream_array(self) -> AsyncIterator[bytes]:
         """A JSON array sent as a stream (Gemini's ``streamGenerateContent`` without

@@ -282,6 +282,13 @@ class ChunkDecoder:
             out.extend(self._release())
         return out
 
+    @property
+    def finished(self) -> bool:
+        """Every choice begun has finished (or the decoder failed: nothing to go on)."""
+        return (
+            self._closed or bool(self._choices) and all(c.finished for c in self._choices.values())
+        )
+
     def end(self) -> list[Event]:
         """The events at the end of the stream: held finishes, or the failure to finish."""
         if self._closed:

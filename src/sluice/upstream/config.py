@@ -12,6 +12,7 @@ Example (a file)::
     native_apis = ["anthropic"]           # dialects it speaks itself: their requests pass through
     affinity = true                       # a conversation's turns to the replica holding its prefix
     affinity_load_factor = 1.1            # ... while it has at most 1.1x the mean requests + 1
+    failover = true                       # a stream dropped mid-answer: another replica continues
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ _KEYS = frozenset(
         "native_apis",
         "affinity",
         "affinity_load_factor",
+        "failover",
     }
 )
 
@@ -67,6 +69,7 @@ class UpstreamSpec:
     native_apis: frozenset[str] = frozenset()  # of NATIVE_APIS: passed through, not translated
     affinity: bool = True  # a conversation's turns go to the replica that holds its prefix
     affinity_load_factor: float = DEFAULT_LOAD_FACTOR  # ... within this bound (affinity.py)
+    failover: bool = True  # a stream dropped mid-answer is continued by another replica
 
     def __hash__(self) -> int:
         return hash((self.name, self.urls))
@@ -184,8 +187,12 @@ def _entry(file: Path, index: int, table: dict[str, Any], env: Mapping[str, str]
         raise t.error(
             "affinity_load_factor", f"must be a number of at least 1, not {describe_value(factor)}"
         )
+    failover = table.get("failover", True)
+    if not isinstance(failover, bool):
+        raise t.error("failover", f"must be true or false, not {describe_value(failover)}")
     return UpstreamSpec(
         name=name,
+        failover=failover,
         native_apis=frozenset(native),
         affinity=affinity,
         affinity_load_factor=float(factor),

@@ -24,7 +24,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal, Self
@@ -277,10 +277,12 @@ class UpstreamPool:
         *,
         prefix: str = "/v1",
         key: str | None = None,
+        exclude: Collection[str] = (),
     ) -> UpstreamResponse:
         """POST ``body`` to ``<replica><prefix><path>`` (``/v1`` but for Gemini's
         ``/v1beta``); the response once its headers arrived. ``key`` names the
         conversation (``affinity.affinity_key``): its turns go to the same replica.
+        Replicas whose URL is in ``exclude`` are not asked (one that just failed).
 
         Fails over to the next usable replica on a connection failure, a timeout
         or a 5xx other than 503; a 429/503 (busy) tries the next one too, and if
@@ -297,8 +299,8 @@ class UpstreamPool:
         try:
             for index in self._order(key):
                 replica = self._replicas[index]
-                if replica.state == "down":
-                    continue  # marked down by another request since the order was made
+                if replica.state == "down" or replica.url in exclude:
+                    continue  # (marked down by another request since the order was made)
                 replica.outstanding += 1
                 try:
                     with upstream_errors(self.spec, replica.url):

@@ -191,6 +191,7 @@ async def _passthrough(
             {"accept": accept} if accept else None,
             conversation=parsed.conversation,
             session=request.headers,
+            resume=parsed.stream,
         )
     except SluiceError as exc:  # no replica answered: 502, or 503 when all are down
         return error_response(exc, sse=parsed.stream and wants_sse(request))
