@@ -260,11 +260,15 @@ class Upstream:
         return True
 
     def _resumable(self, sock: socket.socket, body: dict[str, Any]) -> bool:
-        """A first request's stream dropped after "Hel", "lo"; a continuation's
-        (``continue_final_message``) answered with " world" and its own id and usage."""
+        """A first request's stream dropped after "Hel", "lo " (a space last: held back
+        from the continuation's prefix); a continuation's (``continue_final_message``)
+        answered with " world" and its own id and usage."""
         self._stream_head(sock)
         if not body.get("continue_final_message"):
-            for event in GOOD_EVENTS[:3]:
+            for event in [
+                *GOOD_EVENTS[:2],
+                {"choices": [{"index": 0, "delta": {"content": "lo "}}]},
+            ]:
                 self._chunk(sock, sse_event(event))
             time.sleep(0.05)
             sock.shutdown(socket.SHUT_RDWR)
@@ -494,7 +498,11 @@ def test_busy_replicas_pass_the_last_answer_on() -> None:
 
 
 def test_an_upstream_client_error_is_its_own_answer() -> None:
-    with upstreams("bad_request", "ok") as ups, gateway([u.url for u in ups]) as base:
+    # (Affinity off: the first replica, the one that refuses, is asked first.)
+    with (
+        upstreams("bad_request", "ok") as ups,
+        gateway([u.url for u in ups], affinity=False) as base,
+    ):
         r = post(base, stream=False)
         assert r.status_code == 400
         assert r.json()["error"]["message"] == "no such thing"

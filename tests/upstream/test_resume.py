@@ -7,7 +7,9 @@ from typing import Any
 from sluice.core.events import ReasoningDelta, TextDelta, ToolCallStart
 from sluice.upstream.resume import (
     Partial,
+    continuation,
     continuation_body,
+    heal,
     role_only,
     spliced_usage,
 )
@@ -87,3 +89,19 @@ def test_usage_and_the_opening_chunk() -> None:
     assert not role_only(chunk(role="assistant", content="Hi"))
     assert not role_only({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
     assert not role_only({"choices": [], "usage": usage})
+
+
+def test_a_trailing_space_is_held_back_and_not_repeated() -> None:
+    partial = streamed(chunk(content="Hello, "), chunk(content="dear\n "))
+    ask = continuation(CHAT, chat=True, partial=partial)
+    assert ask is not None
+    assert ask.body["messages"][-1]["content"] == "Hello, dear"
+    assert ask.skip == "\n "
+    # The continuation writes the whitespace again, in one piece or several.
+    assert heal("\n friend", ask.skip) == ("friend", "")
+    assert heal("\n", ask.skip) == ("", " ")
+    assert heal(" friend", " ") == ("friend", "")
+    # It wrote something else: nothing is dropped from it.
+    assert heal("!", ask.skip) == ("!", "")
+    plain = continuation(CHAT, chat=True, partial=streamed(chunk(content="Hi")))
+    assert plain is not None and plain.skip == ""

@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl
 
-from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -282,7 +281,7 @@ class BearerAuth:
 
     def __init__(
         self,
-        app: Starlette,
+        app: Any,  # the Starlette app (or a layer that passes its attributes through)
         keys: ApiKeys,
         render_for: Callable[[str], Callable[[SluiceError], Response]] | None = None,
         *,

@@ -39,7 +39,7 @@ from sluice.core.errors import (
     UpstreamUnavailable,
     as_sluice_error,
 )
-from sluice.core.events import ErrorEvent, Event, Finish
+from sluice.core.events import ErrorEvent, Event, Finish, TextDelta
 from sluice.core.interrupt import Interrupt
 from sluice.core.request import GenerationRequest
 from sluice.metrics import OpenAIChunkTap, RequestMeter, SlotMetrics
@@ -52,7 +52,7 @@ from sluice.upstream.codec import (
 )
 from sluice.upstream.config import UpstreamSpec
 from sluice.upstream.pool import UpstreamPool, UpstreamResponse
-from sluice.upstream.resume import Partial, continuation_body, role_only, spliced_usage
+from sluice.upstream.resume import Partial, continuation, heal, role_only, spliced_usage
 from sluice.upstream.sse import SSEDecoder
 
 log = logging.getLogger("sluice.router")
@@ -265,6 +265,7 @@ class UpstreamStream:
         self._decoder = decoder
         self._resume = resume
         self._sent = 0  # a continuation's: tokens streamed before it (its usage is moved)
+        self._skip = ""  # a continuation's: whitespace sent before it, not to repeat
 
     def __aiter__(self) -> AsyncIterator[Event]:
         return self._events()
@@ -302,12 +303,17 @@ class UpstreamStream:
         resume = self._resume
         assert resume is not None
         while len(tried) < len(resume.pool.status()):
-            body = continuation_body(resume.body, chat=resume.chat, partial=partial)
-            if body is None:
+            ask = continuation(resume.body, chat=resume.chat, partial=partial)
+            if ask is None:
                 return None
+            self._skip = ask.skip
             try:
                 response = await resume.pool.send(
-                    resume.path, orjson.dumps(body), resume.headers, key=resume.key, exclude=tried
+                    resume.path,
+                    orjson.dumps(ask.body),
+                    resume.headers,
+                    key=resume.key,
+                    exclude=tried,
                 )
             except (UpstreamFailed, UpstreamUnavailable):
                 return None
@@ -349,6 +355,11 @@ class UpstreamStream:
                     if self._sent and isinstance(usage, dict):
                         data["usage"] = spliced_usage(usage, self._sent)
                     for event in decoder.feed(data):
+                        if self._skip and isinstance(event, TextDelta):
+                            text, self._skip = heal(event.text, self._skip)
+                            if not text:
+                                continue
+                            event = dataclasses.replace(event, text=text)
                         yield event
                         if isinstance(event, ErrorEvent):
                             return
@@ -561,10 +572,11 @@ class Passthrough:
         first = self._first or {}
         names: dict[str, Any] = {k: first[k] for k in ("id", "created", "model") if k in first}
         while len(tried) < len(resume.pool.status()):
-            body = continuation_body(resume.body, chat=resume.chat, partial=partial)
-            if body is None:
+            ask = continuation(resume.body, chat=resume.chat, partial=partial)
+            if ask is None:
                 break
-            raw = orjson.dumps(body)
+            skip = ask.skip
+            raw = orjson.dumps(ask.body)
             try:
                 response = await self._interrupt.wait(
                     lambda raw=raw: resume.pool.send(  # type: ignore[misc]
@@ -603,6 +615,10 @@ class Passthrough:
                             raise _malformed(data)
                         if resume.chat and role_only(parsed):
                             continue
+                        if skip:
+                            keep, skip = _heal_chunk(parsed, skip)
+                            if not keep:
+                                continue
                         parsed.update(names)
                         usage = parsed.get("usage")
                         if isinstance(usage, dict):
@@ -694,6 +710,26 @@ class ArraySplitter:
                 elif self.depth == 0:
                     self.closed = True
         return out
+
+
+def _heal_chunk(chunk: dict[str, Any], skip: str) -> tuple[bool, str]:
+    """A continuation's chunk without the whitespace it repeats (``resume.heal``): whether
+    it still says anything, and what is left to skip."""
+    choices = chunk.get("choices")
+    choice = choices[0] if isinstance(choices, list) and choices else None
+    if not isinstance(choice, dict):
+        return True, skip
+    delta = choice.get("delta")
+    holder, field_name = (delta, "content") if isinstance(delta, dict) else (choice, "text")
+    text = holder.get(field_name)
+    if not isinstance(text, str) or not text:
+        return True, skip  # no text in it (yet): skip the next text
+    healed, skip = heal(text, skip)
+    holder[field_name] = healed
+    empty = not healed and not choice.get("finish_reason") and not chunk.get("usage")
+    if empty and isinstance(delta, dict):
+        empty = not any(v for k, v in delta.items() if k not in ("content", "role"))
+    return not empty, skip
 
 
 def _json_value(data: str | bytes) -> Any:

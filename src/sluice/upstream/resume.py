@@ -86,13 +86,47 @@ class Partial:
         return "".join(self.content)
 
 
+@dataclass(frozen=True, slots=True)
+class Continuation:
+    """The request that continues an answer, and the whitespace its text ended with,
+    held back from it: a prefix that ends in a space would be tokenized with the space
+    alone where the model wrote it as the next word's first character, and the model
+    then continues differently (what "token healing" repairs). The continuation writes
+    that space again; :func:`heal` drops it."""
+
+    body: dict[str, Any]
+    skip: str
+
+
+def heal(text: str, skip: str) -> tuple[str, str]:
+    """``text`` (a continuation's next piece) without what it repeats of ``skip``; and
+    what is left to skip (nothing once a piece differs or ``skip`` is used up)."""
+    n = 0
+    while n < len(skip) and n < len(text) and text[n] == skip[n]:
+        n += 1
+    if n == len(text) and n < len(skip):
+        return "", skip[n:]  # the whole piece was repeated whitespace: more may follow
+    return text[n:], ""
+
+
+def continuation(body: Mapping[str, Any], *, chat: bool, partial: Partial) -> Continuation | None:
+    """The request that continues ``body``'s answer after ``partial`` (see
+    :class:`Continuation`); None when it cannot be continued (see the module)."""
+    text = partial.text
+    prefix = text.rstrip()
+    out = continuation_body(body, chat=chat, partial=partial, text=prefix)
+    return None if out is None else Continuation(out, text[len(prefix) :])
+
+
 def continuation_body(
-    body: Mapping[str, Any], *, chat: bool, partial: Partial
+    body: Mapping[str, Any], *, chat: bool, partial: Partial, text: str | None = None
 ) -> dict[str, Any] | None:
-    """The request that continues ``body``'s answer after ``partial``; None when it
-    cannot be continued (see the module)."""
+    """The request that continues ``body``'s answer after ``partial`` (its text, or
+    ``text``); None when it cannot be continued (see the module)."""
     if not partial.resumable or body.get("n", 1) not in (1, None):
         return None
+    if text is None:
+        text = partial.text
     out = dict(body)
     for name in ("max_tokens", "max_completion_tokens"):
         limit = body.get(name)
@@ -104,7 +138,7 @@ def continuation_body(
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             return None
-        last: dict[str, Any] = {"role": "assistant", "content": partial.text}
+        last: dict[str, Any] = {"role": "assistant", "content": text}
         if partial.reasoning:
             last["reasoning_content"] = "".join(partial.reasoning)
         out["messages"] = [*messages, last]
@@ -116,7 +150,7 @@ def continuation_body(
         prompt = prompt[0]
     if not isinstance(prompt, str) or body.get("echo"):
         return None
-    out["prompt"] = prompt + partial.text
+    out["prompt"] = prompt + text
     return out
 
 
