@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
@@ -144,7 +145,7 @@ class UpstreamModel:
             raise
         meta = stream_meta(request, self.name, slot=self.slot.name, replica=response.replica)
         resume = None
-        if self.slot.spec.failover and len(pool.status()) > 1:
+        if self.slot.spec.failover and pool.size > 1:
             resume = Resume(pool, path, body, {"accept": "text/event-stream"}, key, request.is_chat)
         return UpstreamStream(meta, response, ChunkDecoder(chat=request.is_chat), resume)
 
@@ -228,7 +229,7 @@ class UpstreamModel:
         then continued by another replica if this one drops it (``failover``)."""
         pool = self.slot.pool
         answer = Passthrough(tap(self.slot.metrics.request()), self.slot.name, self.name)
-        if resume is not None and self.slot.spec.failover and len(pool.status()) > 1:
+        if resume is not None and self.slot.spec.failover and pool.size > 1:
             chat = path == "/chat/completions"
             answer.resume = Resume(pool, path, resume, headers, key, chat)
         if key is not None and key_ids and pool.keyed:
@@ -289,46 +290,12 @@ class UpstreamStream:
             if failure is None:
                 return
             assert partial is not None and self._resume is not None
-            response = await self._continuation(failure, partial, tried)
-            if response is None:
+            found = await _continuing(self._resume, partial, failure, tried)
+            if found is None:
                 yield ErrorEvent(failure)
                 return
-            self._response = response
+            self._response, self._skip = found
             self._sent = partial.tokens
-
-    async def _continuation(
-        self, failure: UpstreamFailed, partial: Partial, tried: set[str]
-    ) -> UpstreamResponse | None:
-        """Another replica's stream continuing ``partial``; None if none can."""
-        resume = self._resume
-        assert resume is not None
-        while len(tried) < len(resume.pool.status()):
-            ask = continuation(resume.body, chat=resume.chat, partial=partial)
-            if ask is None:
-                return None
-            self._skip = ask.skip
-            try:
-                response = await resume.pool.send(
-                    resume.path,
-                    orjson.dumps(ask.body),
-                    resume.headers,
-                    key=resume.key,
-                    exclude=tried,
-                )
-            except (UpstreamFailed, UpstreamUnavailable):
-                return None
-            tried.add(response.replica)
-            if response.status == 200:
-                log.warning(
-                    "upstream %r: a stream failed after %d tokens (%s); %s continues it",
-                    resume.pool.spec.name,
-                    partial.tokens,
-                    failure.message,
-                    response.replica,
-                )
-                return response
-            await response.aclose()
-        return None
 
     async def _decoded(self, resumable: bool) -> AsyncGenerator[Event | _Dropped, None]:
         """One upstream stream's events; with ``resumable``, a drop before the answer
@@ -383,6 +350,37 @@ class UpstreamStream:
 
     async def aclose(self) -> None:
         await self._response.aclose()
+
+
+async def _continuing(
+    resume: Resume, partial: Partial, failure: UpstreamFailed, tried: set[str]
+) -> tuple[UpstreamResponse, str] | None:
+    """Another replica's stream continuing ``partial`` (one not in ``tried``, then added
+    to it), and the whitespace to drop from its first text (``resume.heal``); None when
+    the answer cannot be continued or no replica answers 200."""
+    while len(tried) < resume.pool.size:
+        ask = continuation(resume.body, chat=resume.chat, partial=partial)
+        if ask is None:
+            return None
+        raw = orjson.dumps(ask.body)
+        try:
+            response = await resume.pool.send(
+                resume.path, raw, resume.headers, key=resume.key, exclude=tried
+            )
+        except (UpstreamFailed, UpstreamUnavailable):
+            return None  # no replica left to ask
+        tried.add(response.replica)
+        if response.status == 200:
+            log.warning(
+                "upstream %r: a stream failed after %d tokens (%s); %s continues it",
+                resume.pool.spec.name,
+                partial.tokens,
+                failure.message,
+                response.replica,
+            )
+            return response, ask.skip
+        await response.aclose()
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -571,31 +569,12 @@ class Passthrough:
         tried = {self.response.replica}
         first = self._first or {}
         names: dict[str, Any] = {k: first[k] for k in ("id", "created", "model") if k in first}
-        while len(tried) < len(resume.pool.status()):
-            ask = continuation(resume.body, chat=resume.chat, partial=partial)
-            if ask is None:
+        while True:
+            ask = functools.partial(_continuing, resume, partial, failure, tried)
+            found = await self._interrupt.wait(ask)
+            if found is None:
                 break
-            skip = ask.skip
-            raw = orjson.dumps(ask.body)
-            try:
-                response = await self._interrupt.wait(
-                    lambda raw=raw: resume.pool.send(  # type: ignore[misc]
-                        resume.path, raw, resume.headers, key=resume.key, exclude=tried
-                    )
-                )
-            except (UpstreamFailed, UpstreamUnavailable):
-                break  # no replica left to ask
-            tried.add(response.replica)
-            self._response = response
-            if response.status != 200:
-                break
-            log.warning(
-                "upstream %r: a stream failed after %d tokens (%s); %s continues it",
-                self.slot,
-                partial.tokens,
-                failure.message,
-                response.replica,
-            )
+            self._response, skip = found
             sent = partial.tokens
             sse = SSEDecoder()
             finished = False

@@ -73,11 +73,6 @@ class ReplicaStatus:
     models: tuple[str, ...]  # ids its last good /v1/models listed
 
 
-def describe(exc: WireError, spec: UpstreamSpec) -> str:
-    """What a replica did, for a message: ``refused the connection``, ``sent nothing for 300 s``."""
-    return str(exc) or type(exc).__name__
-
-
 @contextlib.contextmanager
 def upstream_errors(spec: UpstreamSpec, replica: str, doing: str = "") -> Iterator[None]:
     """The wire's transport errors inside as :class:`UpstreamTimeout` / :class:`UpstreamFailed`.
@@ -95,7 +90,8 @@ def upstream_errors(spec: UpstreamSpec, replica: str, doing: str = "") -> Iterat
 
 
 def _mapped(exc: WireError, spec: UpstreamSpec, replica: str, doing: str) -> UpstreamFailed:
-    message = f"upstream {spec.name!r}: {replica} {doing}{describe(exc, spec)}"
+    # The wire's message says what the replica did: "refused the connection", ...
+    message = f"upstream {spec.name!r}: {replica} {doing}{exc}"
     if isinstance(exc, ReadTimeout | ConnectTimeout):
         return UpstreamTimeout(message)
     return UpstreamFailed(message)
@@ -363,9 +359,14 @@ class UpstreamPool:
         return [(start + i) % n for i in order]
 
     @property
+    def size(self) -> int:
+        """How many replicas the slot has."""
+        return len(self._replicas)
+
+    @property
     def keyed(self) -> bool:
         """Whether conversations are routed by affinity (several replicas, ``affinity``)."""
-        return self.spec.affinity and len(self._replicas) > 1
+        return self.spec.affinity and self.size > 1
 
     def _unavailable(self) -> UpstreamUnavailable:
         now = time.monotonic()

@@ -50,9 +50,6 @@ class WireError(Exception):
 
     kind: Literal["refused", "unreachable", "connect_timeout", "timeout", "broken", "protocol"]
 
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-
 
 class ConnectRefused(WireError):
     kind = "refused"
