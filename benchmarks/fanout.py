@@ -15,7 +15,9 @@ a level started at once, one raw HTTP/1.1 connection per stream.
   ``litellm`` (LiteLLM's proxy, pinned in ``harness/litellm.py``, one uvicorn worker on
   uvloop + httptools, no database, logs off, the same key).
 * **cores**: the gateway pinned to core 0, the upstream and the load to core 1
-  (``sched_setaffinity``); direct leaves core 0 idle.
+  (``sched_setaffinity``); direct leaves core 0 idle. Each gateway is measured alone
+  on its core: the other is stopped (SIGSTOP) once it has gone quiet, and continued
+  for its own turn.
 
 Per level and path: frames a second (all frames received / wall time from the first
 request to the last stream's end) and its share of the ideal (each stream's frames in
@@ -35,8 +37,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import resource
 import secrets
+import signal
 import subprocess
 import sys
 import tempfile
@@ -288,12 +292,13 @@ def pinned(core: int) -> list[str]:
 
 
 def start_servers(
-    tmp: Path, key: str, paths: tuple[str, ...]
+    tmp: Path, key: str, paths: tuple[str, ...], deltas: int = DELTAS
 ) -> tuple[subprocess.Popen[bytes], int, dict[str, Server]]:
     up = free_port()
     with open(tmp / "upstream.log", "wb") as log:  # the child writes to its own copy
         upstream = subprocess.Popen(
-            [*pinned(LOAD_CORE), sys.executable, __file__, "--serve-upstream", str(up)],
+            [*pinned(LOAD_CORE), sys.executable, __file__, "--serve-upstream", str(up)]
+            + ["--deltas", str(deltas)],
             stdout=subprocess.DEVNULL,
             stderr=log,
         )
@@ -376,10 +381,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     paths = tuple(p for p in args.paths.split(",") if p)
     with tempfile.TemporaryDirectory(prefix="sluice-fanout-") as tmp_name:
         upstream, up, servers = start_servers(Path(tmp_name), key, paths)
+        # The gateway's own pid (taskset execs it: the same process).
+        pids = {p: s.pid for p, s in servers.items()}
         try:
             ports = {"direct": up, **{p: s.port for p, s in servers.items()}}
-            pids = {p: s.pid for p, s in servers.items()}
-            # The gateway's own pid (taskset execs it: the same process).
             for p in paths:  # warm-up: first-request code paths, connection pools
                 measure(ports[p], 8, key, args, None)
             runs: dict[str, dict[str, list[dict[str, Any]]]] = {
@@ -389,6 +394,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for n in args.levels:
                     for p in rotated(paths, rnd + n):
                         time.sleep(0.5)  # the last level's connections closed everywhere
+                        alone(p, pids)
                         m = measure(ports[p], n, key, args, pids.get(p))
                         m["round"] = rnd + 1
                         runs[str(n)][p].append(m)
@@ -405,11 +411,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             flush=True,
                         )
         finally:
+            for pid in pids.values():
+                os.kill(pid, signal.SIGCONT)
             upstream.kill()
             upstream.wait()
             for srv in servers.values():
                 srv.close()
     return runs
+
+
+def alone(path: str, pids: dict[str, int]) -> None:
+    """Leave the gateway of ``path`` alone on its core: every other gateway is stopped
+    (SIGSTOP) once it has gone quiet, and continued (SIGCONT) when its turn comes.
+    Both gateways share core 0; a proxy still working off a level's stalled streams,
+    or ticking its background tasks, would otherwise be measured as the other's cost."""
+    for p, pid in pids.items():
+        if p == path:
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(0.5)  # its timers and pending work caught up first
+            continue
+        quiet_until = time.monotonic() + 30.0
+        while time.monotonic() < quiet_until:  # at most 30 s for it to finish its work
+            cpu = proc_cpu_seconds(pid)
+            time.sleep(0.2)
+            if proc_cpu_seconds(pid) - cpu < 0.02:  # under 10% of a core
+                break
+        os.kill(pid, signal.SIGSTOP)
 
 
 def summarize(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:

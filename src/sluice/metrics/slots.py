@@ -66,6 +66,7 @@ class Metrics:
         # Each upstream slot's cache affinity: (choices by kind, conversations pinned).
         self.affinity: Callable[[], Mapping[str, tuple[Mapping[str, int], int]]] = dict
         self.registry.register(_AffinityCollector(lambda: self.affinity()))
+        self._key_counters: dict[str, Any] = {}
         self._by_key = Counter(
             "sluice_requests_by_key",
             "Requests that passed the API key check, by the key's name.",
@@ -75,7 +76,10 @@ class Metrics:
 
     def count_key(self, name: str) -> None:
         """One request authenticated with the key named ``name`` (server/auth.py)."""
-        self._by_key.labels(key=name).inc()
+        child = self._key_counters.get(name)
+        if child is None:  # (labels() takes a lock and builds a key: once per key)
+            child = self._key_counters[name] = self._by_key.labels(key=name)
+        child.inc()
 
     def slot(self, name: str, kind: SlotKind) -> SlotMetrics:
         """The slot's metrics, created on first use (a later ``kind`` wins: a slot

@@ -265,6 +265,12 @@ def create_app(
         # of requests: the gateway's fan-out benchmark saw them as a third of its time).
         gc.collect()
         gc.freeze()
+        # And what a burst of streams makes (frames, generators, ASGI messages: mostly
+        # freed by reference counting) must not trigger the older generations' passes
+        # in its middle: young passes every 50,000 net allocations instead of 700, a full
+        # one a hundred times rarer. Measured on the fan-out benchmark at 512 streams:
+        # first frame p99 222 ms against 234 ms at the default (201 ms with no collector).
+        gc.set_threshold(50_000, 20, 100)
         try:
             yield
         finally:

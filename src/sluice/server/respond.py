@@ -154,7 +154,7 @@ class Forwarded(Protocol):
 
     async def read(self) -> bytes: ...
 
-    async def aclose(self) -> None: ...
+    def close(self) -> None: ...
 
 
 async def forward(
@@ -173,18 +173,11 @@ async def forward(
     bytes forwarded as they come."""
     as_array = json_stream and answer.status == 200 and not answer.streaming
     if answer.streaming or as_array:
-
-        async def events() -> AsyncIterator[bytes]:
-            try:
-                source = answer.stream_array() if as_array else answer.stream()
-                async for chunk in source:
-                    yield chunk
-            except SluiceError as exc:  # after the first byte: the dialect's error frame
-                yield failure_frame(exc)
-
         return SSEResponse(  # type: ignore[return-value]
-            events(),
-            on_close=answer.aclose,
+            # A failure after the first byte ends the stream with the dialect's frame.
+            answer.stream_array() if as_array else answer.stream(),
+            on_close=answer.close,
+            failure_frame=failure_frame,
             ping_interval=0,  # the bytes are the upstream's: no pings of ours in them
             stall_timeout=settings.stall_timeout,
             headers=answer.headers(),
@@ -195,7 +188,7 @@ async def forward(
     except SluiceError as exc:  # the upstream failed while sending its answer
         return render_error(exc)
     finally:
-        await answer.aclose()
+        answer.close()
     if body is None:
         return Response(status_code=CLIENT_GONE)
     return Response(body, answer.status, answer.headers())

@@ -181,7 +181,6 @@ class SSEResponse:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         loop = asyncio.get_running_loop()
-        lock = asyncio.Lock()
         # The body's chunks go to the server's own send (see :class:`RawSend`): the
         # middlewares' wrappers only watch for the start, and passing each chunk
         # through four of them was a tenth of a gateway's CPU per event.
@@ -190,22 +189,32 @@ class SSEResponse:
         # read per chunk serves both the ping timer and the stall watch.
         last_sent = loop.time()
         sending = False
+        # Pings are the only other writer: without them a chunk's send needs no lock
+        # (a gateway's passthrough, where every cost per chunk counts).
+        lock = asyncio.Lock() if self.ping_interval > 0 else None
 
         async def emit(chunk: bytes, more_body: bool = True) -> None:
             nonlocal last_sent, sending
-            async with lock:
-                last_sent = loop.time()
-                sending = True
-                await body_send(
-                    {"type": "http.response.body", "body": chunk, "more_body": more_body}
-                )
-                sending = False
+            if lock is not None:
+                async with lock:
+                    await emit_now(chunk, more_body)
+            else:
+                await emit_now(chunk, more_body)
+
+        async def emit_now(chunk: bytes, more_body: bool) -> None:
+            nonlocal last_sent, sending
+            last_sent = loop.time()
+            sending = True
+            await body_send({"type": "http.response.body", "body": chunk, "more_body": more_body})
+            sending = False
 
         async def produce() -> None:
             await send({"type": "http.response.start", "status": 200, "headers": self.headers})
             try:
                 async for chunk in self.body:
                     await emit(chunk)
+            except SluiceError as exc:  # a failure after the first byte: its frame ends it
+                await emit(self.failure_frame(exc))
             except Exception as exc:  # a bug below: end the stream visibly, not silently
                 log.exception("stream producer failed")
                 await emit(self.failure_frame(exc))
@@ -213,7 +222,7 @@ class SSEResponse:
 
         async def ping() -> None:
             # A separate timer, so the per-chunk path stays one plain await.
-            while self.ping_interval > 0:
+            while True:
                 # (A blocked send is not silence: the client is not taking it.)
                 wait = (
                     self.ping_interval if sending else last_sent + self.ping_interval - loop.time()
@@ -223,31 +232,46 @@ class SSEResponse:
                 else:
                     await emit(self.ping)
 
-        def stall_wait() -> float | None:
-            """Seconds until a send blocked now would have stalled (None: never)."""
-            if self.stall_timeout <= 0:
-                return None
-            if not sending:
-                return self.stall_timeout
-            return last_sent + self.stall_timeout - loop.time()
-
-        producer = asyncio.ensure_future(produce())
-        others = [asyncio.ensure_future(_wait_disconnect(receive)), asyncio.ensure_future(ping())]
         stalled = False
+        stall_timer: asyncio.TimerHandle | None = None
+
+        def watch_stall() -> None:
+            """A timer: once per ``stall_timeout`` while all is well; a send blocked that
+            long ends the response."""
+            nonlocal stalled, stall_timer
+            wait = (
+                self.stall_timeout if not sending else last_sent + self.stall_timeout - loop.time()
+            )
+            if wait > 0:
+                stall_timer = loop.call_later(wait, watch_stall)
+            else:
+                stalled = True
+                producer.cancel()
+
+        # The producer runs as a task of its own, which the client's disconnect, a stall
+        # or pings can end or interleave with; this task waits for it. Nothing here
+        # wakes per chunk.
+        producer = asyncio.ensure_future(produce())
+        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        watcher.add_done_callback(lambda _: producer.cancel())
+        pinger = asyncio.ensure_future(ping()) if self.ping_interval > 0 else None
+        if self.stall_timeout > 0:
+            stall_timer = loop.call_later(self.stall_timeout, watch_stall)
         try:
-            # Wake only to check for a stall: once per stall_timeout while all is well.
-            while not (producer.done() or others[0].done()):
-                timeout = stall_wait()
-                if timeout is not None and timeout <= 0:
-                    stalled = True
-                    break
-                await asyncio.wait(
-                    {producer, others[0]}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-                )
+            await producer
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise  # this response is cancelled (the server shuts down), not just ended
+        except (OSError, RuntimeError) as exc:  # sending failed: the client is gone
+            log.debug("a stream's response ended: %r", exc)
         finally:
-            for task in (producer, *others):
-                task.cancel()
-            await asyncio.gather(producer, *others, return_exceptions=True)
+            producer.cancel()
+            watcher.cancel()
+            if pinger is not None:
+                pinger.cancel()
+            if stall_timer is not None:
+                stall_timer.cancel()
             closing = self.on_close()
             if closing is not None:
                 # Shielded: a cancelled response must still abort and release its work.

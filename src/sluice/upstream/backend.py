@@ -643,9 +643,13 @@ class Passthrough:
 
     async def aclose(self) -> None:
         """Close the upstream request (at once, if the client went away first)."""
+        self.close()
+
+    def close(self) -> None:
+        """:meth:`aclose` without a wait: a stream's end runs it inline, not as a task."""
         self._finish(error=False)
         if self._response is not None:
-            await self._response.aclose()
+            self._response.close()
 
 
 class ArraySplitter:

@@ -190,11 +190,15 @@ class UpstreamResponse:
 
     async def aclose(self) -> None:
         """Close at once (idempotent); before the end this aborts the upstream request."""
+        self.close()
+
+    def close(self) -> None:
+        """:meth:`aclose`, which never waits: for callers that cannot await."""
         if self._closed:
             return
         self._closed = True
         self._replica.outstanding -= 1
-        await self._response.aclose()
+        self._response.close()
 
     async def __aenter__(self) -> Self:
         return self

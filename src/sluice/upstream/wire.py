@@ -195,6 +195,10 @@ class WireResponse:
 
     async def aclose(self) -> None:
         """Done with it (idempotent): the connection is reused if the answer is complete."""
+        self.close()
+
+    def close(self) -> None:
+        """:meth:`aclose`, which never waits: for callers that cannot await."""
         if self._released:
             return
         self._released = True
