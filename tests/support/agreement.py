@@ -91,7 +91,7 @@ def request(tools: list[dict[str, Any]], choice: Any, parallel: bool | None, thi
 
 
 def planned(template: str, tool_format: str | None, body: Any) -> OutputPlan:
-    plan, _ = service(template, tool_format).chat_prompt(body)
+    plan, _, _ = service(template, tool_format).chat_prompt(body)
     assert plan.grammar is not None
     return plan
 

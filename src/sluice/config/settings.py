@@ -144,6 +144,13 @@ class Settings:
         "template's name (e.g. Qwen3-Coder; see docs/formats.md)",
         shown="the GGUF's",
     )
+    mmproj: str | None = setting(
+        None,
+        "models",
+        "the default model's projector (a vision model's mmproj GGUF): it then takes "
+        "images (docs/vision.md)",
+        shown="an mmproj*.gguf beside the model file",
+    )
     tool_format: str | None = setting(
         None,
         "models",

@@ -31,6 +31,7 @@ class ModelSpec:
     threads: int | None = None
     gpu_layers: int | None = None
     chat_template: str | None = None  # path to a Jinja file overriding the GGUF's template
+    mmproj: str | None = None  # its projector (images); None: an mmproj*.gguf beside it
     tool_format: str | None = None  # hermes | llama3 | mistral | generic
     ttl: float | None = None  # idle seconds before unloading; 0: never
     # default sampling (temperature, top_k, top_p, min_p) over the GGUF's declared one

@@ -27,6 +27,7 @@ import queue
 import threading
 import time
 from collections import deque
+from dataclasses import replace
 
 from sluice.core.errors import (
     ContextOverflow,
@@ -235,7 +236,7 @@ class Engine:
         try:
             now = time.monotonic()
             for req in requests:
-                sampler = self.runner.new_sampler(req.sampling, req.prompt_tokens)
+                sampler = self.runner.new_sampler(req.sampling, req.text_tokens())
                 work = Work(
                     req,
                     sink,
@@ -265,7 +266,7 @@ class Engine:
         limit = self.config.max_draft if sampling.max_draft is None else sampling.max_draft
         work.max_draft = max(0, min(limit, self.config.max_draft)) if self.runner.can_rewind else 0
         if work.max_draft:
-            work.lookup = PromptLookup(work.req.prompt_tokens)
+            work.lookup = PromptLookup(work.req.text_tokens())
         jump = self.config.jump_forward if sampling.jump_forward is None else sampling.jump_forward
         # A forced token has no logits of its own: with logprobs asked, each is sampled.
         work.jump = bool(jump and sampling.grammar and work.req.logprobs is None)
@@ -394,7 +395,7 @@ class Engine:
             limit = 0 if (work.req.echo and work.req.logprobs is not None) else len(prompt) - 1
             # 1. The idle slot with the longest common prefix (ties: the least to lose).
             slot = max(idle, key=lambda s: (common_prefix(s.cache, prompt), -len(s.cache)))
-            want = min(common_prefix(slot.cache, prompt), limit)
+            want = work.req.media_floor(min(common_prefix(slot.cache, prompt), limit))
             # 2. A RAM entry that beats it by enough goes into the idle slot whose
             #    cache is the least to lose (whole, when the runner cannot cut a
             #    restored state short).
@@ -404,6 +405,7 @@ class Engine:
             restore = None
             if hit is not None:
                 entry, n = hit  # n <= limit
+                n = work.req.media_floor(n)  # (an image's rows are kept whole or not at all)
                 gain = n - want
                 if gain >= self._cache.min_tokens and gain * RESTORE_RATIO >= len(entry.tokens):
                     restore = entry
@@ -419,7 +421,7 @@ class Engine:
             # 4. Restore the entry's state, then trim it (or the slot's own cache) to
             #    the common prefix.
             if restore is not None:
-                want = min(want, self._restore(slot, restore))
+                want = work.req.media_floor(min(want, self._restore(slot, restore)))
             kept = self.runner.keep_prefix(slot.seq, want)
             slot.cache = prompt[:kept]
             work.prompt_done = work.cached = kept
@@ -546,6 +548,7 @@ class Engine:
             decode_may_wait=not self._decode_sat_out,
             tile=self.runner.min_prefill_chunk,
         )
+        self._fit_images(plan)
         waited = deferred(views, plan, n_batch)
         self._decode_sat_out = any(p.short for p in plan) and not any(not p.prefill for p in plan)
         # Entries in sequence-id order: llama.cpp puts only increasing, consecutive
@@ -584,6 +587,29 @@ class Engine:
         seconds = time.perf_counter() - started
         pacer.observe(seconds, n_decoded, n_long, n_short, waited, extra=extra > 0)
         return True
+
+    def _fit_images(self, plan: list[Planned]) -> None:
+        """Prompt chunks cut at images: a chunk that reaches an image stops before it, and
+        one that starts at an image is that image whole (its rows are decoded together,
+        as embeddings, in a llama_decode of their own: ``LlamaRunner.decode``)."""
+        for i, p in enumerate(plan):
+            if not p.prefill:
+                continue
+            work = self._slots[p.seq].work
+            assert work is not None
+            if not work.req.media:
+                continue
+            start, n = work.prompt_done, p.n_tokens
+            for span in work.req.media:
+                if span.end <= start:
+                    continue
+                if span.start <= start:
+                    n = span.end - start
+                elif span.start < start + n:
+                    n = span.start - start
+                break
+            if n != p.n_tokens:
+                plan[i] = replace(p, n_tokens=n)
 
     def _plan_drafts(self, plan: list[Planned], n_batch: int) -> None:
         """Each generating sequence's draft for this step (see speculate.py): none in a
@@ -655,7 +681,10 @@ class Engine:
                 tokens = work.req.prompt_tokens[start : start + p.n_tokens]
                 last = start + p.n_tokens == len(work.req.prompt_tokens)
                 logits_all = work.req.echo and work.req.logprobs is not None
-                entries.append(BatchEntry(slot.seq, tokens, start, last, logits_all))
+                image = None
+                if work.req.media:
+                    image = next((s for s in work.req.media if s.start == start), None)
+                entries.append(BatchEntry(slot.seq, tokens, start, last, logits_all, media=image))
             else:
                 assert work.next_token is not None
                 tokens = [work.next_token, *work.forced, *work.draft]

@@ -141,6 +141,7 @@ class LlamaRunnerConfig:
     n_gpu_layers: int = 0  # layers offloaded to a GPU (needs a GPU build of llama.cpp)
     flash_attn: str = "auto"  # "on", "off", or "auto" (see engine.attention)
     chat_template: str | None = None  # overrides the GGUF's own
+    mmproj_path: str | None = None  # a projector (images): llama_media.Projector
 
 
 def _flash_attn_type(L: Any, choice: str) -> int:
@@ -216,6 +217,9 @@ class LlamaRunner(SamplingMixin):
         self._bos = int(L.llama_vocab_bos(self._vocab))
         self._eos = int(L.llama_vocab_eos(self._vocab))
         self.info = self._read_info()
+        self.n_embd = int(L.llama_model_n_embd(model))
+        self.projector: Any = None  # llama_media.Projector: the model sees images
+        self._embd_batch: Any = None  # an image's rows (made on the first image)
 
     # -- loading -------------------------------------------------------------
 
@@ -271,6 +275,20 @@ class LlamaRunner(SamplingMixin):
             raise ModelLoadFailed("llama.cpp could not create a context (out of memory?)")
         context_made = time.perf_counter()
         runner = cls(config, model, ctx)
+        if config.mmproj_path:
+            from sluice.engine.llama_media import Projector
+
+            try:
+                runner.projector = Projector.load(
+                    config.mmproj_path,
+                    model,
+                    n_threads=threads,
+                    use_gpu=config.n_gpu_layers != 0,
+                )
+            except BaseException:
+                runner.close()
+                raise
+            runner.projector.n_embd = runner.n_embd
         log.info(
             "loaded %s: model %.3f s, context %.3f s, vocabulary tables %.3f s; flash attention %s",
             config.model_id or path.stem,
@@ -486,7 +504,9 @@ class LlamaRunner(SamplingMixin):
 
     def decode(self, entries: list[BatchEntry]) -> None:
         """One step's batch. A prompt chunk that wants no logits (a paced chunk of a long
-        prompt) beside other entries goes in a llama_decode of its own, first.
+        prompt) beside other entries goes in a llama_decode of its own, first; an image
+        (``entry.media``) goes in one of its own too, after those: its rows are
+        embeddings, which llama.cpp takes only in a batch of embeddings.
 
         Why: with a KV stream per sequence, llama.cpp splits a batch into ubatches that
         take the same number of tokens from each of a run of consecutive sequence ids.
@@ -496,26 +516,71 @@ class LlamaRunner(SamplingMixin):
         tokens 1.1 s instead of 0.55). Alone, the chunk is one ubatch of whole tiles.
         The rows of the rest are then counted from 0 again: ``_rows`` maps them.
         """
-        quiet = [e for e in entries if not e.logits_last and not e.logits_all]
-        if not quiet or len(quiet) == len(entries):
+        images = [e for e in entries if e.media is not None]
+        tokens = [e for e in entries if e.media is None] if images else entries
+        quiet = [e for e in tokens if not e.logits_last and not e.logits_all]
+        split = bool(quiet) and len(quiet) < len(tokens)
+        if not images and not split:
             self._rows = None
             self._decode(entries)
             return
+        # The entries decoded last (their logits are read): their rows, renumbered.
+        rest = [e for e in tokens if e.logits_last or e.logits_all] if split else tokens
+        last = {id(e) for e in rest}
         rows: dict[int, int] = {}
-        rest: list[BatchEntry] = []
         old = new = 0
         for e in entries:
             n = len(e.tokens)
-            if e.logits_last or e.logits_all:
-                for k in range(n) if e.logits_all else range(n - e.n_logits, n):
-                    rows[old + k] = new + k
-                rest.append(e)
+            if id(e) in last:
+                if e.logits_last or e.logits_all:
+                    for k in range(n) if e.logits_all else range(n - e.n_logits, n):
+                        rows[old + k] = new + k
                 new += n
             old += n
         self._rows = None
-        self._decode(quiet)
-        self._decode(rest)
+        if split:
+            self._decode(quiet)
+        for e in images:
+            self._decode_image(e)
+        if rest:
+            self._decode(rest)
         self._rows = rows
+
+    def _decode_image(self, entry: BatchEntry) -> None:
+        """An image's rows: its embeddings (the projector encodes it now), decoded with
+        causal attention off where the projector says so (Gemma 3)."""
+        span = entry.media
+        assert span is not None and self.projector is not None
+        L = self._L
+        try:
+            rows = self.projector.encode(span.chunk)
+        except RuntimeError as exc:
+            raise DecodeError(f"the projector could not encode an image: {exc}") from exc
+        n = rows.shape[0]
+        if n > self.n_batch:
+            raise DecodeError(f"an image of {n} rows is over the batch ({self.n_batch})")
+        batch = self._embd_batch
+        if batch is None:
+            batch = self._embd_batch = L.llama_batch_init(self.n_batch, self.n_embd, 1)
+        flat = np.ctypeslib.as_array(batch.embd, shape=(self.n_batch * self.n_embd,))
+        flat[: rows.size] = rows.reshape(-1)
+        pos, n_seq_id, seq_id, logits = batch.pos, batch.n_seq_id, batch.seq_id, batch.logits
+        for j in range(n):
+            pos[j] = entry.pos0 + j
+            n_seq_id[j] = 1
+            seq_id[j][0] = entry.seq
+            logits[j] = False
+        batch.n_tokens = n
+        if span.non_causal:
+            L.llama_set_causal_attn(self._ctx, False)
+        try:
+            rc = L.llama_decode(self._ctx, batch)
+        finally:
+            if span.non_causal:
+                L.llama_set_causal_attn(self._ctx, True)
+        if rc != 0:
+            raise DecodeError(f"llama_decode returned {rc} for an image")
+        self._unsettled.clear()
 
     def _decode(self, entries: list[BatchEntry]) -> None:
         batch = self._batch
@@ -549,7 +614,13 @@ class LlamaRunner(SamplingMixin):
 
     def close(self) -> None:
         L = self._L
+        if self.projector is not None:
+            self.projector.close()
+            self.projector = None
         if self._ctx:
+            if self._embd_batch is not None:
+                L.llama_batch_free(self._embd_batch)
+                self._embd_batch = None
             L.llama_batch_free(self._batch)
             L.llama_free(self._ctx)
             L.llama_model_free(self._model)

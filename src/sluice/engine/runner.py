@@ -14,6 +14,7 @@ from typing import Protocol
 from sluice.core.backend import Vector
 from sluice.core.events import TokenLogprob
 from sluice.core.request import SamplingParams
+from sluice.engine.types import MediaSpan
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +27,8 @@ class BatchEntry:
     logits_last: bool = True  # compute logits for the last token
     logits_all: bool = False  # compute logits for every token (echo + logprobs)
     n_logits: int = 1  # with logits_last: logits for this many tokens at the end (a draft)
+    # An image's rows (``tokens`` are its placeholders): decoded from its embeddings.
+    media: MediaSpan | None = None
 
 
 @dataclass(frozen=True, slots=True)

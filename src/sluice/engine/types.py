@@ -9,11 +9,30 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from sluice.core.events import Event
 from sluice.core.request import SamplingParams
 from sluice.engine.reasoning import ReasoningLimit
+
+
+@dataclass(frozen=True, slots=True)
+class MediaSpan:
+    """An image's rows in a prompt: ``prompt_tokens[start:start + n]`` are placeholders
+    (negative ids drawn from the image's content, so that the prompt cache knows an image
+    by what it shows), decoded from the projector's embeddings of ``chunk`` in one piece.
+
+    ``chunk`` is the runner's handle (``llama_media``); ``non_causal``: the image's rows
+    attend to each other both ways (Gemma 3's projector)."""
+
+    start: int
+    n: int
+    chunk: Any
+    non_causal: bool = False
+
+    @property
+    def end(self) -> int:
+        return self.start + self.n
 
 
 @dataclass(slots=True)
@@ -36,6 +55,21 @@ class EngineRequest:
     request_id: str = ""
     # The reasoning block: counted (usage), and closed when its budget is spent.
     reasoning: ReasoningLimit | None = None
+    # Images in the prompt, in order (placeholders in prompt_tokens; see MediaSpan).
+    media: tuple[MediaSpan, ...] = ()
+
+    def media_floor(self, n: int) -> int:
+        """``n`` prompt tokens, or fewer so as not to end inside an image."""
+        for span in self.media:
+            if span.start < n < span.end:
+                return span.start
+        return n
+
+    def text_tokens(self) -> list[int]:
+        """The prompt without the images' placeholders (samplers' penalties, lookups)."""
+        if not self.media:
+            return self.prompt_tokens
+        return [t for t in self.prompt_tokens if t >= 0]
 
 
 class SlotState(enum.Enum):

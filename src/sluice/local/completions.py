@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from sluice.core.backend import StreamMeta
 from sluice.core.errors import InvalidRequest
 from sluice.core.events import Event
+from sluice.core.media import Picture
 from sluice.core.request import (
     LLAMA_CPP_SAMPLING,
     GenerationRequest,
@@ -29,9 +30,10 @@ from sluice.core.request import (
 )
 from sluice.engine.engine import Engine
 from sluice.engine.reasoning import ReasoningLimit
-from sluice.engine.types import EngineRequest
+from sluice.engine.types import EngineRequest, MediaSpan
 from sluice.grammar.build import after_reasoning
 from sluice.local.budget import ReasoningBudgets
+from sluice.local.media import has_images, pictures, take_images, tokens_with_images
 from sluice.local.parsing import parse_stream
 from sluice.local.plan import OutputPlan, ToolLimits
 from sluice.local.prompt import ControlTextGuard
@@ -94,8 +96,11 @@ class CompletionService:
             return self.prepare_chat(request)
         return self.prepare_text(request)
 
-    def chat_prompt(self, body: GenerationRequest) -> tuple[OutputPlan, list[int]]:
-        """The output plan (tools, grammar, parsers) and the templated prompt's tokens."""
+    def chat_prompt(
+        self, body: GenerationRequest
+    ) -> tuple[OutputPlan, list[int], tuple[MediaSpan, ...]]:
+        """The output plan (tools, grammar, parsers), the templated prompt's tokens and
+        the images among them (``local/media.py``)."""
         assert body.messages is not None
         plan = OutputPlan.build(
             body, fmt=self.format, reasoning=self.reasoning, limits=self.tool_limits
@@ -109,9 +114,18 @@ class CompletionService:
             extra.setdefault("enable_thinking", False)
             extra.setdefault("thinking", False)
         # Everything the request put into the prompt is text, never control tokens.
-        prompt_text = self.template.render(
-            self.guard.escape(messages), extra=self.guard.escape(extra)
-        )
+        messages = self.guard.escape(messages)
+        images: list[Picture] = []
+        if has_images(messages):
+            if getattr(self.runner, "projector", None) is None:
+                raise InvalidRequest(
+                    f"The model '{self.name}' has no vision projector: it cannot take "
+                    "images. Send text, or give the model its projector (mmproj).",
+                    param="messages",
+                )
+            messages, sources = take_images(messages)
+            images = pictures(sources)
+        prompt_text = self.template.render(messages, extra=self.guard.escape(extra))
         if plan.opening and not prompt_text.endswith(plan.opening):
             plan.opening = ""  # the prompt did not write it (no generation prompt)
         if plan.reasoning is not None:
@@ -130,7 +144,10 @@ class CompletionService:
                 # The prompt opened a reasoning block: the grammar engages after it.
                 also = (plan.answer_start,)  # the reader ends reasoning there too
                 plan.grammar = after_reasoning(plan.grammar, end, also)
-        return plan, self._tokenize_prompt(prompt_text)
+        if images:
+            tokens, media = self._tokenize_with_images(prompt_text, images)
+            return plan, tokens, media
+        return plan, self._tokenize_prompt(prompt_text), ()
 
     def _reasoning_limit(self, plan: OutputPlan) -> ReasoningLimit | None:
         """Where the engine finds the reasoning block, and the budget's closer."""
@@ -153,7 +170,7 @@ class CompletionService:
         )
 
     def prepare_chat(self, body: GenerationRequest) -> Generation:
-        plan, tokens = self.chat_prompt(body)
+        plan, tokens, media = self.chat_prompt(body)
         self.engine.check_prompt(len(tokens))
         top_n = body.logprobs
         limit = body.max_tokens
@@ -176,6 +193,7 @@ class CompletionService:
                 choice=i,
                 render_special=plan.render_special,
                 reasoning=reasoning,
+                media=media,
             )
             for i in range(body.n)
         ]
@@ -266,11 +284,32 @@ class CompletionService:
                 )
         return self.options.sampler.fill(sampling)
 
-    def _tokenize_prompt(self, text: str) -> list[int]:
+    def _add_bos(self, text: str) -> bool:
         info = self.runner.info
         # A template that writes the BOS itself must not get a second one.
-        add_bos = info.add_bos and not (info.bos_token and text.startswith(info.bos_token))
-        return self.guard.tokenize(text, self.runner.tokenize, add_special=add_bos)
+        return info.add_bos and not (info.bos_token and text.startswith(info.bos_token))
+
+    def _tokenize_prompt(self, text: str) -> list[int]:
+        return self.guard.tokenize(text, self.runner.tokenize, add_special=self._add_bos(text))
+
+    def _tokenize_with_images(
+        self, text: str, images: list[Picture]
+    ) -> tuple[list[int], tuple[MediaSpan, ...]]:
+        add_bos = self._add_bos(text)
+        runner = self.runner
+
+        def piece(part: str, first: bool) -> list[int]:
+            return self.guard.tokenize(part, runner.tokenize, add_special=add_bos and first)
+
+        bos = runner.tokenize("", add_special=True, parse_special=False) if add_bos else []
+        return tokens_with_images(
+            text,
+            images,
+            piece,
+            runner.projector.pieces,  # type: ignore[attr-defined]
+            bos=bos,
+            max_rows=runner.n_batch,
+        )
 
 
 def _choice_seed(sampling: SamplingParams, index: int) -> SamplingParams:

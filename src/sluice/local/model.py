@@ -229,6 +229,7 @@ class LocalModel:
                 n_gpu_layers=ms.gpu_layers,
                 flash_attn=ms.flash_attn,
                 chat_template=template,
+                mmproj_path=spec.mmproj,
             ),
             progress,
         )
@@ -266,7 +267,7 @@ class LocalModel:
 
         def count() -> int:
             with self._in_use():
-                return len(service.chat_prompt(request)[1])
+                return len(service.chat_prompt(request)[1])  # (images' rows included)
 
         return int(await self.offload.run(count))
 

@@ -97,6 +97,22 @@ def resolve_model(spec: str) -> ResolvedModel:
     return ResolvedModel(stem, path)
 
 
+def find_projector(spec: ModelSpec, default_mmproj: str | None = None) -> str | None:
+    """``spec``'s projector: its own ``mmproj``, ``--mmproj`` if it is the default
+    model (``default_mmproj``), else the one ``mmproj*.gguf`` beside its file (as LM
+    Studio and Ollama find it; with several, the one named after the model, else none)."""
+    if spec.mmproj or default_mmproj:
+        return spec.mmproj or default_mmproj
+    if spec.replay is not None or spec.source.lower() in PACKAGED:
+        return None
+    model = Path(spec.source)
+    found = sorted(p for p in model.parent.glob("mmproj*.gguf") if p.is_file())
+    if len(found) > 1:
+        stem = _model_stem(model.name).lower()
+        found = [p for p in found if stem in p.name.lower()]
+    return str(found[0]) if len(found) == 1 else None
+
+
 def resolve_source(spec: ModelSpec) -> Path:
     """The ``.gguf`` file of ``spec`` (for a split model, its first shard).
 
@@ -114,7 +130,7 @@ def resolve_source(spec: ModelSpec) -> Path:
 
 def resolved(spec: ModelSpec) -> ModelSpec:
     """``spec`` with its source resolved to the .gguf file to load (blocking: a packaged
-    model may be assembled first)."""
+    model may be assembled first). Its projector is :func:`find_projector`'s."""
     path = resolve_source(spec)
     if spec.replay is not None:
         return replace(spec, source=REPLAY + str(path))
@@ -218,7 +234,17 @@ def _unique_names(root: Path, files: list[Path]) -> list[str]:
 
 _INT_KEYS = {"ctx": 1, "parallel": 1, "threads": 0, "gpu_layers": -1}  # key: smallest value
 _ENTRY_KEYS = frozenset(
-    {"name", "source", "aliases", "chat_template", "tool_format", "ttl", "sampling", *_INT_KEYS}
+    {
+        "name",
+        "source",
+        "aliases",
+        "chat_template",
+        "mmproj",
+        "tool_format",
+        "ttl",
+        "sampling",
+        *_INT_KEYS,
+    }
 )
 
 
@@ -303,6 +329,7 @@ def _entry(file: Path, index: int, table: dict[str, Any]) -> ModelSpec:
     source = e.text("source", required=True)
     assert name is not None and source is not None
     template = e.text("chat_template")
+    mmproj = e.text("mmproj")
     if source.startswith(REPLAY):
         source = REPLAY + e.path(source[len(REPLAY) :])
     elif source.lower() not in PACKAGED:
@@ -317,6 +344,7 @@ def _entry(file: Path, index: int, table: dict[str, Any]) -> ModelSpec:
         threads=e.integer("threads"),
         gpu_layers=e.integer("gpu_layers"),
         chat_template=None if template is None else e.path(template),
+        mmproj=None if mmproj is None else e.path(mmproj),
         tool_format=_tool_format(e),
         ttl=_ttl(e),
         sampling=_sampling(e),

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -111,7 +111,14 @@ def build_state(
             return catalog.discover(settings, config)
 
         def loader(spec: ModelSpec, options: LoadOptions, progress: Progress) -> LocalModel:
-            return LocalModel.load(catalog.resolved(spec), options, settings, offload, progress)
+            return LocalModel.load(
+                with_projector(catalog.resolved(spec)), options, settings, offload, progress
+            )
+
+        def with_projector(spec: ModelSpec) -> ModelSpec:
+            """``spec`` with its projector found (``--mmproj`` is the default model's)."""
+            mine = settings.mmproj if spec.name == default else None
+            return replace(spec, mmproj=catalog.find_projector(spec, mine))
 
         def estimate(spec: ModelSpec, options: LoadOptions) -> int:
             from sluice.engine.llama_runner import gpu_offload_supported

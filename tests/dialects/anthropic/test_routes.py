@@ -153,7 +153,7 @@ def test_an_image_for_a_local_model_is_a_400_that_says_so() -> None:
         counted = httpx.post(base + MESSAGES + "/count_tokens", json=data, timeout=30)
     for answer in (r, counted):
         assert answer.status_code == 400
-        assert "does not support images" in answer.json()["error"]["message"]
+        assert "has no vision projector" in answer.json()["error"]["message"]
 
 
 def test_beta_headers_versions_and_the_beta_query_are_accepted() -> None:

@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 from starlette.responses import Response
 
-from sluice.core.errors import InvalidRequest, as_sluice_error
+from sluice.core.errors import as_sluice_error
 from sluice.core.events import ErrorEvent
 from sluice.core.request import GenerationRequest
 from sluice.dialects.anthropic.format import (
@@ -66,16 +66,6 @@ def _native(state: ServerState, data: dict[str, Any]) -> UpstreamTarget | None:
     return state.dispatcher.native(data.get("model"), NATIVE)
 
 
-def _local_images(state: ServerState, body: MessagesRequest | CountTokensRequest) -> None:
-    """Images go only to upstream models: no local model here has vision."""
-    if state.dispatcher.upstream(body.model) is None and body.has_images():
-        raise InvalidRequest(
-            f"The model '{body.model}' does not support images (it has no vision "
-            "encoder): send text, or pick a model that takes images.",
-            param="messages",
-        )
-
-
 async def _read(
     request: Request, wire: type[W], upstream_path: str
 ) -> Response | tuple[W, GenerationRequest]:
@@ -95,7 +85,6 @@ async def _read(
         return body, body.to_request()
 
     body, neutral = await state.offload.run(validate)
-    _local_images(state, body)
     return body, neutral
 
 

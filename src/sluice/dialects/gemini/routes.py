@@ -106,7 +106,6 @@ async def _generate(
         return body, body.to_request(model)
 
     body, neutral = await state.offload.run(validate)
-    _local_images(state, model, body.has_images())
     lease, events = await state.dispatcher.open(neutral)
     formatter = GeminiFormatter(model, include_thoughts=body.include_thoughts)
     identify(events, formatter.id)
@@ -271,15 +270,6 @@ def _check_limits(data: Any, state: ServerState) -> None:
     stops = config.get("stopSequences") if isinstance(config, dict) else None
     if stops is not None:
         check_body_limits({"stopSequences": stops}, state.limits, stop="stopSequences")
-
-
-def _local_images(state: ServerState, model: str, has_images: bool) -> None:
-    if has_images and state.dispatcher.upstream(model) is None:
-        raise InvalidRequest(
-            f"The model '{model}' does not support images (it has no vision encoder): send "
-            "text, or pick a model that takes images.",
-            param="contents",
-        )
 
 
 # -- models ------------------------------------------------------------------------------

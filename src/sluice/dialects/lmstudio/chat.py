@@ -47,7 +47,6 @@ from sluice.core.errors import (
     ModelNotFound,
     ResponseNotFound,
     SluiceError,
-    UnsupportedParameter,
     as_sluice_error,
 )
 from sluice.core.events import ErrorEvent, Event, Progress
@@ -142,8 +141,6 @@ async def _prepare(request: Request, state: ServerState, raw: bytes) -> _Prepare
         history = history_messages(path)
         if body.system_prompt is not None:  # this request's system prompt replaces the old
             history = [m for m in history if m["role"] != "system"]
-    if local and body.has_images():
-        raise UnsupportedParameter("input", "images are not supported by this model")
     switch = reasoning_switch(body.reasoning, capability, model=body.model) if local else None
     integrations = parse_integrations(body.integrations) if body.integrations else []
     if not state.auth_required and any(isinstance(i, PluginIntegration) for i in integrations):

@@ -100,11 +100,6 @@ async def _read(request: Request, wire: type[Wire]) -> Wire | None:
         return body
 
     body: Wire = await state.offload.run(validate)
-    if state.dispatcher.upstream(body.model) is None and body.has_images():
-        raise InvalidRequest(
-            f"The model '{body.model}' does not support images (it has no vision encoder).",
-            param="images",
-        )
     return body
 
 

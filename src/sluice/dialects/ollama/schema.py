@@ -23,6 +23,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from sluice.core.errors import InvalidRequest
+from sluice.core.media import base64_data_uri
 from sluice.core.request import GenerationRequest, SamplingParams
 from sluice.server.jsonbody import validate_body
 
@@ -201,11 +202,16 @@ class GenerateRequest(_Common):
                 param="template",
             )
         if self.raw:
+            if self.images:
+                raise InvalidRequest(
+                    "images go into the model's chat template: send them without 'raw'",
+                    param="images",
+                )
             return self._neutral(prompts=[self.prompt])
         messages: list[dict[str, Any]] = []
         if self.system:
             messages.append({"role": "system", "content": self.system})
-        messages.append({"role": "user", "content": self.prompt})
+        messages.append({"role": "user", "content": _content(self.prompt, self.images, "images")})
         return self._neutral(messages=messages)
 
 
@@ -251,9 +257,26 @@ class DeleteRequest(_Named):
     pass
 
 
+def _content(text: str | None, images: list[str] | None, where: str) -> Any:
+    """A message's text, or (with images: base64, as Ollama sends them) OpenAI parts,
+    the images first, as Ollama places them."""
+    if not images:
+        return text or ""
+    parts: list[dict[str, Any]] = [
+        {"type": "image_url", "image_url": {"url": base64_data_uri(b64, f"{where}[{k}]")}}
+        for k, b64 in enumerate(images)
+    ]
+    if text:
+        parts.append({"type": "text", "text": text})
+    return parts
+
+
 def _template_message(m: Message, index: int) -> dict[str, Any]:
     """A message as chat templates take it (OpenAI's shape, arguments as objects)."""
-    out: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+    out: dict[str, Any] = {
+        "role": m.role,
+        "content": _content(m.content, m.images, f"messages[{index}].images"),
+    }
     if m.thinking:
         out["reasoning_content"] = m.thinking
     if m.tool_calls:

@@ -61,6 +61,7 @@ class ToolCall(_Wire):
 class ContentPart(_Wire):
     type: str
     text: str | None = None
+    image_url: dict[str, Any] | str | None = None  # {"url": ..., "detail": ...}
 
 
 class ChatMessage(_Wire):
@@ -260,16 +261,30 @@ class CompletionRequest(_SamplingFields):
 
 def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
     """A wire message as the plain dict chat templates expect."""
-    content: str | None
+    content: str | list[dict[str, Any]] | None
     if isinstance(message.content, list):
-        parts = []
-        for part in message.content:
-            if part.type != "text" or part.text is None:
+        parts: list[dict[str, Any]] = []
+        for j, part in enumerate(message.content):
+            if part.type == "image_url" and part.image_url is not None:
+                image = part.image_url
+                url = image.get("url") if isinstance(image, dict) else image
+                if not isinstance(url, str) or not url:
+                    raise InvalidRequest(
+                        f"messages[{index}].content[{j}].image_url.url must be a string",
+                        param=f"messages[{index}].content[{j}].image_url",
+                    )
+                parts.append({"type": "image_url", "image_url": {"url": url}})
+            elif part.type == "text" and part.text is not None:
+                parts.append({"type": "text", "text": part.text})
+            else:
                 raise UnsupportedParameter(
                     f"messages[{index}].content", f"parts of type '{part.type}' are not supported"
                 )
-            parts.append(part.text)
-        content = "".join(parts)
+        # Text alone is one string, as templates expect; with an image, the parts.
+        if any(p["type"] == "image_url" for p in parts):
+            content = parts
+        else:
+            content = "".join(p["text"] for p in parts)
     else:
         content = message.content
     role = "system" if message.role == "developer" else message.role

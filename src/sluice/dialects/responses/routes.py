@@ -154,11 +154,6 @@ async def _prepare(request: Request, state: ServerState, data: dict[str, Any]) -
         history = [m for m in history_messages(path) if m["role"] != "system"]
         parent_id, conversation_id = stored.id, stored.conversation_id
     neutral = await state.offload.run(lambda: body.neutral_request(history))
-    if state.dispatcher.upstream(body.model) is None and body.has_images():
-        raise InvalidRequest(
-            f"The model '{body.model}' does not support images (it has no vision encoder).",
-            param="input",
-        )
     return _Prepared(body, neutral, owner, parent_id, conversation_id, _with_ids(body.items()))
 
 
