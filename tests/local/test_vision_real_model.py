@@ -177,3 +177,131 @@ def test_too_many_images_and_a_model_that_cannot_see(base: str) -> None:
     r = httpx.post(base + "/v1/chat/completions", json=body, timeout=120)
     assert r.status_code == 400, r.text
     assert "has no vision projector" in r.json()["error"]["message"]
+
+
+def test_responses_gemini_and_lm_studio_chat_take_images(oai: openai.OpenAI, base: str) -> None:
+    from google import genai
+    from google.genai import types
+
+    content: Any = [
+        {"type": "input_text", "text": ASK},
+        {"type": "input_image", "image_url": data_uri(GREEN)},
+    ]
+    answer = oai.responses.create(
+        model="smollm2",
+        input=[{"role": "user", "content": content}],
+        temperature=0,
+        max_output_tokens=12,
+    )
+    assert "green" in answer.output_text.lower()
+
+    gemini = genai.Client(
+        api_key="unused", http_options=types.HttpOptions(base_url=base, api_version="v1beta")
+    )
+    parts = [
+        types.Part(text=ASK),
+        types.Part.from_bytes(data=solid_png(RED), mime_type="image/png"),
+    ]
+    config = types.GenerateContentConfig(temperature=0, max_output_tokens=12)
+    said = gemini.models.generate_content(
+        model="smollm2", contents=[types.Content(role="user", parts=parts)], config=config
+    )
+    assert "red" in (said.text or "").lower()
+    streamed = gemini.models.generate_content_stream(
+        model="smollm2", contents=[types.Content(role="user", parts=parts)], config=config
+    )
+    assert "".join(c.text or "" for c in streamed) == said.text
+
+    body = {
+        "model": "smollm2",
+        "temperature": 0,
+        "max_output_tokens": 12,
+        "input": [{"type": "text", "content": ASK}, {"type": "image", "data_url": data_uri(GREEN)}],
+    }
+    r = httpx.post(base + "/api/v1/chat", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    text = "".join(o.get("content", "") for o in r.json()["output"] if o["type"] == "message")
+    assert "green" in text.lower()
+
+
+def test_model_lists_say_which_models_see(base: str) -> None:
+    models = httpx.get(base + "/v1/models", timeout=30).json()["data"]
+    by_id = {m["id"]: m for m in models}
+    assert by_id["smollm2-135m-instruct"]["modalities"]["input"] == ["text", "image"]
+    assert "modalities" not in by_id["gemma-3-270m"]
+    show = httpx.post(base + "/api/show", json={"model": "smollm2"}, timeout=30).json()
+    assert "vision" in show["capabilities"]
+    show = httpx.post(base + "/api/show", json={"model": "gemma3-270m"}, timeout=30).json()
+    assert "vision" not in show["capabilities"]
+    lms = httpx.get(base + "/api/v1/models", timeout=30).json()["models"]
+    vision = {m["key"]: m["capabilities"]["vision"] for m in lms}
+    assert vision["smollm2-135m-instruct"] is True and vision["gemma-3-270m"] is False
+
+
+@pytest.fixture(scope="module")
+def picture_host() -> Iterator[str]:
+    """A loopback HTTP server with /red.png, /green.png and a redirect to the red one."""
+    import http.server
+    import threading
+
+    files = {"/red.png": solid_png(RED), "/green.png": solid_png(GREEN)}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path == "/moved":
+                self.send_response(302)
+                self.send_header("Location", "/red.png")
+                self.end_headers()
+                return
+            body = files.get(self.path)
+            self.send_response(200 if body else 404)
+            self.send_header("Content-Length", str(len(body or b"")))
+            self.end_headers()
+            self.wfile.write(body or b"")
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+
+
+def test_an_image_url_on_a_private_address_is_refused_before_any_connection(
+    base: str, picture_host: str
+) -> None:
+    wait_idle(base, within=10)
+    body = {
+        "model": "smollm2",
+        "max_tokens": 4,
+        "messages": openai_messages(picture_host + "/red.png"),
+    }
+    r = httpx.post(base + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and "--download-allow-private" in r.json()["error"]["message"]
+
+
+def test_image_urls_are_fetched_under_the_download_rules(picture_host: str) -> None:
+    args = ("--mmproj", str(colour_projector("smollm2")), "--download-allow-private", *QUIET)
+    with serve_process(*args) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        assert (
+            "green" in ask(client, picture_host + "/green.png").choices[0].message.content.lower()
+        )
+        assert "red" in ask(client, picture_host + "/moved").choices[0].message.content.lower()
+        claude = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0)
+        image = {"type": "image", "source": {"type": "url", "url": picture_host + "/red.png"}}
+        said = claude.messages.create(
+            model="smollm2",
+            max_tokens=12,
+            messages=[{"role": "user", "content": [{"type": "text", "text": ASK}, image]}],
+            extra_body={"temperature": 0},
+        )
+        assert "red" in said.content[0].text.lower()  # type: ignore[union-attr]
+        body = {
+            "model": "smollm2",
+            "max_tokens": 4,
+            "messages": openai_messages(picture_host + "/nope.png"),
+        }
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 400 and "answered 404" in r.json()["error"]["message"]

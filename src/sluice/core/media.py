@@ -37,6 +37,7 @@ _MAGIC = (
     (b"BM", "BMP"),
 )
 FORMATS = "PNG, JPEG, GIF, WebP or BMP"
+_URL_SAFE = str.maketrans("-_", "+/")
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,15 +74,19 @@ def data_uri_bytes(url: str, where: str) -> bytes:
         raise InvalidRequest(
             f"{where}: the image is over {MAX_IMAGE_BYTES // 2**20} MiB", param=where
         )
+    # URL-safe letters and missing padding too (protobuf's JSON writes bytes either way:
+    # google-genai sends them URL-safe).
+    text = payload.strip().translate(_URL_SAFE)
+    text += "=" * (-len(text) % 4)
     try:
-        return base64.b64decode(payload.strip(), validate=True)
+        return base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
         raise InvalidRequest(f"{where}: the data: URI's base64 is malformed", param=where) from None
 
 
 def base64_data_uri(b64: str, where: str) -> str:
     """A bare base64 image (Ollama's ``images``) as a ``data:`` URI of its own type."""
-    head = b64.strip()[:64]
+    head = b64.strip()[:64].translate(_URL_SAFE)
     try:
         start = base64.b64decode(head[: len(head) // 4 * 4], validate=True)
     except (binascii.Error, ValueError):

@@ -25,6 +25,7 @@ from sluice.server.state import ServerState, server_state
 from sluice.upstream.backend import UpstreamSlot, upstream_context
 
 TEXT = {"input": ["text"], "output": ["text"]}
+VISION = {"input": ["text", "image"], "output": ["text"]}
 
 
 def _version() -> str:
@@ -52,8 +53,9 @@ def _local(
         "family": file.info.architecture if file is not None else None,
         "backend": {"type": "local", "slot": spec.name, "origin": spec.origin},
         "context_window": window,
-        "modalities": TEXT,
+        "modalities": VISION if file is not None and file.vision else TEXT,
         "capabilities": {
+            "vision": file is not None and file.vision,
             "chat": template is not None,
             "completions": True,
             "streaming": True,

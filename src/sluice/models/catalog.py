@@ -113,6 +113,12 @@ def find_projector(spec: ModelSpec, default_mmproj: str | None = None) -> str | 
     return str(found[0]) if len(found) == 1 else None
 
 
+def projector_of(spec: ModelSpec, settings: Settings) -> str | None:
+    """:func:`find_projector`, ``--mmproj`` applying to the default model only."""
+    default = settings.model.lower() in spec.lookup_keys() or settings.model == spec.source
+    return find_projector(spec, settings.mmproj if default else None)
+
+
 def resolve_source(spec: ModelSpec) -> Path:
     """The ``.gguf`` file of ``spec`` (for a split model, its first shard).
 

@@ -35,6 +35,7 @@ from sluice.core.errors import SluiceError, spec_for
 from sluice.core.request import GenerationRequest
 from sluice.metrics import Metrics, OpenAIChunkTap, RequestMeter, metered
 from sluice.models.flights import Flights, Waiting
+from sluice.models.images import ImageFetcher
 from sluice.models.registry import ModelRegistry
 from sluice.upstream.affinity import affinity_key
 from sluice.upstream.backend import Passthrough, UpstreamModel, UpstreamSlot
@@ -69,8 +70,10 @@ class SlotLease:
         flights: Flights | None = None,
         loaded_now: bool = False,
         load_seconds: float | None = None,
+        images: ImageFetcher | None = None,
     ) -> None:
         self.backend = backend
+        self._images = images
         self._flights = flights
         self.slot = slot
         self._metrics = metrics
@@ -80,12 +83,20 @@ class SlotLease:
         self.load_seconds = load_seconds
 
     async def open(self, request: GenerationRequest) -> ResponseStream:
+        if self._images is not None:  # a local model: its image URLs fetched first
+            request = await self._images.resolve(request)
         with self._meter() as meter:
             stream = await self.backend.open(request)
         live = metered(stream, meter)
         if self._flights is not None:
             self._flights.track(live, self.slot)
         return live
+
+    async def count_prompt_tokens(self, request: GenerationRequest) -> int:
+        """The backend's count of ``request``'s prompt (its image URLs fetched first)."""
+        if self._images is not None:
+            request = await self._images.resolve(request)
+        return await self.backend.count_prompt_tokens(request)
 
     async def embed(
         self, inputs: list[str] | list[list[int]], *, truncate: bool, dimensions: int | None
@@ -127,11 +138,16 @@ class Dispatcher:
     """Resolves names to slots: local models through the registry, upstream models."""
 
     def __init__(
-        self, registry: ModelRegistry, upstreams: Sequence[UpstreamSlot], metrics: Metrics
+        self,
+        registry: ModelRegistry,
+        upstreams: Sequence[UpstreamSlot],
+        metrics: Metrics,
+        images: ImageFetcher | None = None,
     ) -> None:
         self.registry = registry
         self.upstreams = list(upstreams)
         self.metrics = metrics
+        self.images = images  # fetches image URLs for local models
         self.flights = Flights(metrics.clock)
         for slot in self.upstreams:
             metrics.slot(slot.name, "upstream")
@@ -304,4 +320,5 @@ class Dispatcher:
             flights=self.flights,
             loaded_now=lease.loaded_now,
             load_seconds=lease.load_seconds,
+            images=self.images,
         )

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from sluice.config import Settings
 from sluice.core.errors import ModelLoadFailed, SluiceError
 from sluice.core.model import ModelSpec
 from sluice.local.templates import ChatTemplate, read_template
-from sluice.models.catalog import resolve_source
+from sluice.models.catalog import projector_of, resolve_source
 from sluice.models.gguf import GgufError, GgufInfo, read_gguf_info, replay_info
 from sluice.parsers.families import format_for
 from sluice.parsers.registry import detect_reasoning
@@ -38,6 +38,11 @@ class ModelFile:
     publisher: str  # general.organization, else "local"
     template: str | None  # an override file's (config or --chat-template), else the GGUF's
     supports_tools: bool
+    projector: str | None = None  # its projector file: the model sees images
+
+    @property
+    def vision(self) -> bool:
+        return self.projector is not None
 
 
 def read_model_file(spec: ModelSpec, settings: Settings) -> ModelFile:
@@ -55,14 +60,15 @@ def read_model_file(spec: ModelSpec, settings: Settings) -> ModelFile:
         message = exc.message if isinstance(exc, SluiceError) else str(exc)
         raise ModelLoadFailed(f"Cannot read model '{spec.name}': {message}") from exc
     override = spec.chat_template or settings.chat_template
+    projector = projector_of(replace(spec, source=str(path)), settings)
     if override is None:
-        return ModelFile(info, publisher, info.chat_template, info.supports_tools)
+        return ModelFile(info, publisher, info.chat_template, info.supports_tools, projector)
     try:
         template = read_template(override)
     except (OSError, SluiceError) as exc:  # loading will say so; the listing shows the GGUF's
         log.warning("cannot read chat template %s: %s", override, exc)
-        return ModelFile(info, publisher, info.chat_template, info.supports_tools)
-    return ModelFile(info, publisher, template, "tools" in template)
+        return ModelFile(info, publisher, info.chat_template, info.supports_tools, projector)
+    return ModelFile(info, publisher, template, "tools" in template, projector)
 
 
 def _replay_file(spec: ModelSpec, settings: Settings) -> ModelFile:

@@ -200,7 +200,7 @@ async def count_prompt(raw_request: Request, state: Any, request: Any) -> int | 
     lease = await state.dispatcher.acquire(request.model)
     try:
         count: int | None = await run_until_disconnect(
-            raw_request.receive, lease.backend.count_prompt_tokens(request)
+            raw_request.receive, lease.count_prompt_tokens(request)
         )
     finally:
         lease.release()

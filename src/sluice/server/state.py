@@ -32,6 +32,7 @@ from sluice.models import catalog
 from sluice.models.dispatch import Dispatcher
 from sluice.models.downloads import DownloadManager
 from sluice.models.gguf import estimate_memory, read_gguf_info
+from sluice.models.images import ImageFetcher
 from sluice.models.registry import ModelRegistry
 from sluice.server.body import read_request_body
 from sluice.server.jsonbody import BodyLimits, parse_json_body
@@ -93,6 +94,19 @@ def memory_budget(settings: Settings) -> int:
     return int(total * 0.9)
 
 
+def projector_bytes(path: str | None) -> int:
+    """What a projector holds: its weights, and the image encoder's compute buffers
+    (estimated at a quarter of the weights, at least 32 MiB: llama.cpp sizes them when
+    it loads the projector, for the largest image it takes)."""
+    if path is None:
+        return 0
+    try:
+        size = os.stat(path).st_size
+    except OSError:
+        return 0  # the load says what is wrong with it
+    return size + max(32 * 2**20, size // 4)
+
+
 def build_state(
     settings: Settings,
     runner_factory: Callable[[Settings], ModelRunner] | None = None,
@@ -117,8 +131,7 @@ def build_state(
 
         def with_projector(spec: ModelSpec) -> ModelSpec:
             """``spec`` with its projector found (``--mmproj`` is the default model's)."""
-            mine = settings.mmproj if spec.name == default else None
-            return replace(spec, mmproj=catalog.find_projector(spec, mine))
+            return replace(spec, mmproj=catalog.projector_of(spec, settings))
 
         def estimate(spec: ModelSpec, options: LoadOptions) -> int:
             from sluice.engine.llama_runner import gpu_offload_supported
@@ -127,7 +140,7 @@ def build_state(
                 return 0  # recorded answers: no weights, no KV cache
             ms = ModelSettings.of(spec, options, settings)
             info = read_gguf_info(catalog.resolve_source(spec))
-            return estimate_memory(
+            return projector_bytes(catalog.projector_of(spec, settings)) + estimate_memory(
                 info,
                 ctx_per_seq=ms.ctx,
                 parallel=ms.parallel,
@@ -193,7 +206,7 @@ def build_state(
         for slot in upstreams
         if slot.pool.keyed
     }
-    dispatcher = Dispatcher(registry, upstreams, meters)
+    dispatcher = Dispatcher(registry, upstreams, meters, ImageFetcher(settings))
     return ServerState(
         settings,
         registry,

@@ -351,7 +351,8 @@ def _turn(where: str, content: Content, calls: _CallIds) -> list[dict[str, Any]]
             )
         elif "inlineData" in part:
             data = _object(part["inlineData"], f"{at}.inlineData")
-            mime, b64 = data.get("mimeType"), data.get("data")
+            # (Protobuf's JSON takes both spellings; google-genai sends mime_type.)
+            mime, b64 = data.get("mimeType", data.get("mime_type")), data.get("data")
             if not isinstance(mime, str) or not isinstance(b64, str):
                 raise InvalidRequest(
                     f"{at}.inlineData needs 'mimeType' and 'data'", param=f"{at}.inlineData"

@@ -134,7 +134,7 @@ def model_entry(spec: ModelSpec, status: ModelStatus, file: ModelFile | None) ->
     """One ``GET /api/v1/models`` entry, in LM Studio's field order."""
     info = file.info if file is not None else None
     capabilities: dict[str, Any] = {
-        "vision": False,
+        "vision": file.vision if file is not None else False,
         "trained_for_tool_use": file.supports_tools if file is not None else False,
     }
     reasoning = reasoning_capability(file.template if file is not None else None)

@@ -348,6 +348,8 @@ async def show(request: Request) -> Response:
         capabilities.append("tools")  # sluice's tool grammars work on any chat template
         if reasoning_capability(template) is not None:
             capabilities.append("thinking")
+    if file is not None and file.vision:
+        capabilities.append("vision")
     sampler = (
         loaded.sampler
         if isinstance(loaded, LocalModel)

@@ -24,6 +24,7 @@ from sluice.dialects.openai.format import (
 )
 from sluice.dialects.openai.schema import ChatCompletionRequest, CompletionRequest
 from sluice.local.model import LocalModel
+from sluice.models import catalog
 from sluice.models.dispatch import UpstreamTarget
 from sluice.models.entries import ModelStatus
 from sluice.models.flights import identify
@@ -211,6 +212,8 @@ def _model_entry(state: ServerState, spec: ModelSpec, status: ModelStatus) -> di
     }
     if spec.aliases:
         entry["aliases"] = list(spec.aliases)
+    if spec.replay is None and catalog.projector_of(spec, state.settings) is not None:
+        entry["modalities"] = {"input": ["text", "image"], "output": ["text"]}
     model = state.registry.get_loaded(status.name)
     if isinstance(model, LocalModel):
         entry["meta"] = model.card()
