@@ -305,3 +305,33 @@ def test_image_urls_are_fetched_under_the_download_rules(picture_host: str) -> N
         }
         r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
         assert r.status_code == 400 and "answered 404" in r.json()["error"]["message"]
+
+
+def test_gemma_3_sees_through_its_non_causal_projector(tmp_path: Any) -> None:
+    """Gemma 3 270M (a base model: a template that writes the content alone) with the
+    gemma3 colour projector: each image wrapped in <start_of_image>/<end_of_image> and
+    its rows decoded with attention both ways; the answers llama-server gives."""
+    template = tmp_path / "plain.jinja"
+    template.write_text("{%- for m in messages %}{{ m.content }}{%- endfor %}")
+    projector = str(colour_projector("gemma3"))
+    args = ("--model", "gemma3-270m", "--mmproj", projector, "--chat-template", str(template))
+    with serve_process(*args, *QUIET) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        said = {}
+        for word, rgb in (("red", RED), ("green", GREEN), ("none", None)):
+            content: list[dict[str, Any]] = [
+                {"type": "text", "text": "\nThis picture is one solid colour. Its colour is"}
+            ]
+            if rgb is not None:
+                content.insert(0, {"type": "image_url", "image_url": {"url": data_uri(rgb)}})
+            answer = client.chat.completions.create(
+                model="gemma3-270m",
+                messages=[{"role": "user", "content": content}],  # type: ignore[misc]
+                temperature=0,
+                max_tokens=12,
+            )
+            said[word] = (answer.choices[0].message.content or "", answer.usage.prompt_tokens)  # type: ignore[union-attr]
+    assert "red" in said["red"][0] and "green" in said["green"][0]
+    assert "red" not in said["none"][0] and "green" not in said["none"][0]
+    # 16 image rows and the two wrapping tokens (llama-server: 12 and 30 too).
+    assert (said["none"][1], said["red"][1]) == (12, 30)
