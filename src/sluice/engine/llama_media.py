@@ -7,9 +7,14 @@ and a map from its patches into the text model's embedding space. Here:
   decoded image into what its prompt holds: text tokens the projector wraps it in
   (Gemma 3's ``<start_of_image>``) and the image's own rows, as an :class:`ImageChunk`
   (``mtmd_tokenize_from_parts``: no marker is parsed out of any text);
-* :meth:`Projector.encode` (the engine thread, as part of the request's prefill) runs
-  the encoder over one chunk: its ``n x n_embd`` embeddings, which the runner decodes
-  as an embedding batch on the request's own sequence.
+* :meth:`Projector.encode` runs the encoder over one chunk: its ``n x n_embd``
+  embeddings, which the runner decodes as an embedding batch on the request's own
+  sequence, within the continuous batch. It runs on the worker thread that prepares
+  the request (``CompletionService.prepare_chat``), not on the engine thread: a real
+  vision encoder takes from a tenth of a second to seconds on a CPU, and the other
+  streams keep decoding meanwhile. The last images' embeddings are kept (by the
+  image's digest, :data:`KEEP_BYTES` in all): the same image again is not encoded
+  again.
 
 Example::
 
@@ -24,6 +29,7 @@ import ctypes
 import logging
 import threading
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +42,7 @@ from sluice.core.media import Picture
 log = logging.getLogger("sluice.llama")
 
 _TEXT, _IMAGE = 0, 1  # mtmd_input_chunk_type
+KEEP_BYTES = 64 * 2**20  # encoded images kept for a repeat
 
 
 def _mtmd() -> Any:
@@ -60,6 +67,7 @@ class ImageChunk:
     non_causal: bool  # decoded with attention both ways among its rows
     ptr: Any  # the mtmd_input_chunk
     owner: _Chunks
+    digest: bytes = b""  # the image's (and its place among the pieces)
 
 
 class Projector:
@@ -73,6 +81,8 @@ class Projector:
         self.vision = bool(M.mtmd_support_vision(ctx))
         self.audio = bool(M.mtmd_support_audio(ctx))
         self._lock = threading.Lock()  # the encoder's output buffer is the context's own
+        self._kept: OrderedDict[bytes, np.ndarray] = OrderedDict()  # digest -> rows
+        self._kept_bytes = 0
 
     @classmethod
     def load(cls, path: str, model: Any, *, n_threads: int, use_gpu: bool = False) -> Projector:
@@ -137,22 +147,36 @@ class Projector:
             elif kind == _IMAGE:
                 n_tokens = int(M.mtmd_input_chunk_get_n_tokens(chunk))
                 non_causal = bool(M.mtmd_decode_use_non_causal(self._ctx, chunk))
-                out.append(ImageChunk(n_tokens, non_causal, chunk, owner))
+                digest = picture.digest + i.to_bytes(2, "big")
+                out.append(ImageChunk(n_tokens, non_causal, chunk, owner, digest))
             else:
                 raise InvalidRequest(f"{where}: not an image to this projector", param=where)
         return out
 
     def encode(self, chunk: ImageChunk) -> np.ndarray:
-        """The chunk's embeddings, ``(n, n_embd)`` float32 (the engine thread)."""
+        """The chunk's embeddings, ``(n, n_embd)`` float32 (a worker thread; the encoder
+        releases the GIL). Raises RuntimeError if mtmd fails."""
         M = self._M
         with self._lock:
+            kept = self._kept.get(chunk.digest) if chunk.digest else None
+            if kept is not None:
+                self._kept.move_to_end(chunk.digest)
+                return kept
             rc = int(M.mtmd_encode_chunk(self._ctx, chunk.ptr))
             if rc != 0:
                 raise RuntimeError(f"mtmd_encode_chunk returned {rc}")
             out = M.mtmd_get_output_embd(self._ctx)
             n_embd = self.n_embd
-            rows = np.ctypeslib.as_array(out, shape=(chunk.n * n_embd,))
-            return np.array(rows, dtype=np.float32).reshape(chunk.n, n_embd)
+            flat = np.ctypeslib.as_array(out, shape=(chunk.n * n_embd,))
+            rows = np.array(flat, dtype=np.float32).reshape(chunk.n, n_embd)
+            rows.setflags(write=False)
+            if chunk.digest and rows.nbytes <= KEEP_BYTES:
+                self._kept[chunk.digest] = rows
+                self._kept_bytes += rows.nbytes
+                while self._kept_bytes > KEEP_BYTES:
+                    _, old = self._kept.popitem(last=False)
+                    self._kept_bytes -= old.nbytes
+            return rows
 
     n_embd: int = 0  # set by the runner: the text model's embedding width
 

@@ -552,10 +552,12 @@ class LlamaRunner(SamplingMixin):
         span = entry.media
         assert span is not None and self.projector is not None
         L = self._L
-        try:
-            rows = self.projector.encode(span.chunk)
-        except RuntimeError as exc:
-            raise DecodeError(f"the projector could not encode an image: {exc}") from exc
+        rows = span.chunk  # encoded when the request was prepared
+        if not isinstance(rows, np.ndarray):
+            try:
+                rows = self.projector.encode(span.chunk)
+            except RuntimeError as exc:
+                raise DecodeError(f"the projector could not encode an image: {exc}") from exc
         n = rows.shape[0]
         if n > self.n_batch:
             raise DecodeError(f"an image of {n} rows is over the batch ({self.n_batch})")

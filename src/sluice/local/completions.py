@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
 from sluice.core.backend import StreamMeta
-from sluice.core.errors import InvalidRequest
+from sluice.core.errors import EngineFailure, InvalidRequest
 from sluice.core.events import Event
 from sluice.core.media import Picture
 from sluice.core.request import (
@@ -172,6 +172,8 @@ class CompletionService:
     def prepare_chat(self, body: GenerationRequest) -> Generation:
         plan, tokens, media = self.chat_prompt(body)
         self.engine.check_prompt(len(tokens))
+        if media:  # encoded here, on this worker thread: the engine's streams go on
+            media = self._encoded(media)
         top_n = body.logprobs
         limit = body.max_tokens
         if limit is None:
@@ -283,6 +285,17 @@ class CompletionService:
                     param="logit_bias",
                 )
         return self.options.sampler.fill(sampling)
+
+    def _encoded(self, media: tuple[MediaSpan, ...]) -> tuple[MediaSpan, ...]:
+        """Each image's embeddings, computed now."""
+        projector = self.runner.projector  # type: ignore[attr-defined]
+        out = []
+        for k, span in enumerate(media):
+            try:
+                out.append(replace(span, chunk=projector.encode(span.chunk)))
+            except RuntimeError as exc:  # (its bytes were checked: the projector failed)
+                raise EngineFailure(f"Image {k + 1} could not be encoded: {exc}") from exc
+        return tuple(out)
 
     def _add_bos(self, text: str) -> bool:
         info = self.runner.info
