@@ -1,9 +1,12 @@
 """``sluice chat`` driven in tmux (send-keys, capture-pane) against a real server: a
 turn streams and is kept on the server, /reset and multi-line input, Ctrl-C stops
-an answer (the server's slot frees, the partial answer is kept), /exit quits."""
+an answer (the server's slot frees, the partial answer is kept), /exit quits, and
+/image attaches an image to the next message (a server with the suite's colour-seeing
+projector, ``tests/support/projector.py``)."""
 
 from __future__ import annotations
 
+import base64
 import itertools
 import re
 import shlex
@@ -12,11 +15,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from tests.support.projector import colour_projector, solid_png
 from tests.support.real_server import QUIET
 from tests.support.servers import serve_process
 
@@ -35,6 +40,13 @@ def tmux(*args: str) -> str:
 @pytest.fixture(scope="module")
 def url() -> Iterator[str]:
     with serve_process("--parallel", "1", "--ctx", "2048", *QUIET) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def vision_url() -> Iterator[str]:
+    projector = str(colour_projector("smollm2"))
+    with serve_process("--mmproj", projector, "--parallel", "1", "--ctx", "2048", *QUIET) as base:
         yield base
 
 
@@ -160,5 +172,51 @@ def test_a_system_prompt_opens_each_new_conversation(url: str) -> None:
         second = conversations(url)[0]
         assert second["id"] != first["id"]
         assert [m["role"] for m in second["messages"]] == ["system", "user", "assistant"]
+    finally:
+        s.close()
+
+
+def test_an_image_goes_with_the_next_message(vision_url: str, tmp_path: Path) -> None:
+    ask = "Name the colour of this image in one word."
+    red = solid_png((230, 20, 20))
+    (tmp_path / "red.png").write_bytes(red)
+    (tmp_path / "notes.txt").write_text("no picture here")
+    s = Session(vision_url, "--max-tokens", "12")
+    try:
+        s.wait(lambda t: prompts(t) == 1)
+        s.keys(f"/image {tmp_path / 'missing.png'}", "Enter")
+        s.wait(lambda t: prompts(t) == 2)
+        assert f"error: cannot read {tmp_path / 'missing.png'}: No such file or directory" in (
+            s.screen()
+        )
+        s.keys(f"/image {tmp_path / 'notes.txt'}", "Enter")
+        s.wait(lambda t: prompts(t) == 3)
+        assert "notes.txt is not an image (PNG, JPEG, GIF, WebP or BMP)" in s.screen()
+        s.keys(f"/image {tmp_path / 'red.png'}", "Enter")
+        s.wait(lambda t: prompts(t) == 4)
+        assert f"(attached red.png: PNG, {len(red)} bytes; it goes with the next message)" in (
+            s.screen()
+        )
+        s.keys(ask, "Enter")
+        s.wait(lambda t: prompts(t) == 5)
+        s.keys("Thanks.", "Enter")  # the image went with the message before
+        s.wait(lambda t: prompts(t) == 6)
+        assert s.alive()
+        user, answer, thanks, _ = conversations(vision_url)[0]["messages"]
+        assert user["content"] == [
+            {"type": "text", "text": ask},
+            {
+                "type": "image_url",
+                "image_url": {"url": "data:image/png;base64," + base64.b64encode(red).decode()},
+            },
+        ]
+        assert thanks["content"] == "Thanks."
+        # The model was shown it: its 16 rows are in the prompt.
+        text_only = httpx.post(
+            f"{vision_url}/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": ask}], "max_tokens": 1},
+            timeout=120,
+        ).json()
+        assert answer["usage"]["prompt_tokens"] == text_only["usage"]["prompt_tokens"] + 16
     finally:
         s.close()

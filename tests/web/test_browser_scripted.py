@@ -1,9 +1,13 @@
 """What the small real model never writes, shown in a real Chromium: reasoning folded
-while it streams and after, and an agent's tool calls in a stored conversation. The
-server is the real app with a scripted runner that replays chosen token pieces."""
+while it streams and after, and an agent's tool calls in a stored conversation; and
+images attached to a message (picked, pasted, dropped), refused by a model without a
+projector. The server is the real app with a scripted runner that replays chosen token
+pieces."""
 
 from __future__ import annotations
 
+import base64
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +18,7 @@ import pytest
 
 from tests.support.fakes import EOS, ScriptedRunner
 from tests.support.helpers import scripted_server
+from tests.support.projector import solid_png
 from tests.support.tools import WEATHER
 
 # A Qwen3-like template: it knows tools (hermes <tool_call> framing) and <think>.
@@ -157,3 +162,75 @@ def test_the_page_names_each_dialects_base_url(
     ):
         expect(connect.get_by_text(shown, exact=True)).to_be_visible()
     page.screenshot(path=str(shots / "connect.png"))
+
+
+def test_images_attach_by_picker_paste_and_drop_and_a_refusal_gives_them_back(
+    page: Any, tmp_path: Path, shots: Path
+) -> None:
+    """The scripted model has no projector: the server's 400 shows, and the message and
+    its images go back to the box. Without images the message is the text, as ever."""
+    from playwright.sync_api import expect
+
+    bodies: list[dict[str, Any]] = []
+    page.on(
+        "request",
+        lambda r: bodies.append(json.loads(r.post_data)) if r.url.endswith("/c1/chat") else None,
+    )
+    red, green, blue = (solid_png(rgb) for rgb in ((230, 20, 20), (20, 200, 30), (20, 30, 220)))
+    (tmp_path / "red.png").write_bytes(red)
+    (tmp_path / "notes.txt").write_text("not an image")
+    thumbs = page.locator("#attachments img")
+    page.locator("#attach-input").set_input_files(tmp_path / "red.png")
+    expect(thumbs).to_have_count(1)
+    page.evaluate(
+        "dt => document.getElementById('message').dispatchEvent("
+        "new ClipboardEvent('paste', {clipboardData: dt, bubbles: true}))",
+        transfer(page, "green.png", green),
+    )
+    expect(thumbs).to_have_count(2)
+    page.locator("#composer").dispatch_event(
+        "drop", {"dataTransfer": transfer(page, "blue.png", blue)}
+    )
+    expect(thumbs).to_have_count(3)
+    page.locator("#attach-input").set_input_files(tmp_path / "notes.txt")
+    expect(page.get_by_role("alert")).to_contain_text("notes.txt is not an image.")
+    expect(thumbs).to_have_count(3)
+    assert [thumbs.nth(i).get_attribute("alt") for i in range(3)] == [
+        "red.png",
+        "green.png",
+        "blue.png",
+    ]
+    page.get_by_role("button", name="Remove green.png").click()
+    expect(thumbs).to_have_count(2)
+    page.screenshot(path=shots / "attachments.png")
+
+    box = page.get_by_role("textbox", name="Message")
+    box.fill("What colours are these?")
+    box.press("Enter")
+    expect(page.get_by_role("alert")).to_contain_text("has no vision projector")
+    expect(box).to_have_value("What colours are these?")  # given back, to send again
+    expect(thumbs).to_have_count(2)
+    expect(page.locator("article")).to_have_count(0)
+    pngs = [base64.b64encode(png).decode() for png in (red, blue)]
+    assert bodies[-1]["message"] == [
+        {"type": "text", "text": "What colours are these?"},
+        *({"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b}"}} for b in pngs),
+    ]
+
+    for name in ("red.png", "blue.png"):
+        page.get_by_role("button", name=f"Remove {name}").click()
+    expect(page.locator("#attachments")).to_be_hidden()
+    box.press("Enter")
+    expect(page).to_have_url(re.compile("#conv_"))
+    assert bodies[-1]["message"] == "What colours are these?"
+    expect(page.locator("article.user .images")).to_have_count(0)
+
+
+def transfer(page: Any, name: str, png: bytes) -> Any:
+    """A DataTransfer holding one PNG file (what a drop or a paste carries)."""
+    return page.evaluate_handle(
+        "([name, b64]) => { const data = new DataTransfer();"
+        " const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));"
+        " data.items.add(new File([bytes], name, {type: 'image/png'})); return data; }",
+        [name, base64.b64encode(png).decode()],
+    )

@@ -11,29 +11,42 @@ Keys and commands:
 * Ctrl-C while an answer streams stops it (the server stops generating and keeps
   what was said); Ctrl-C at the prompt clears the line; Ctrl-D or ``/exit`` quits.
 * ``/model [NAME]`` shows or switches the model (a new conversation starts),
-  ``/reset`` starts a new conversation, ``/help`` lists the commands.
+  ``/reset`` starts a new conversation, ``/image PATH`` attaches an image file to the
+  next message (an OpenAI ``image_url`` part, a ``data:`` URI; the model needs its
+  projector: docs/vision.md), ``/help`` lists the commands.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, TextIO
 
 import httpx
 
 from sluice.clients.models import add_server_args, auth_headers, error_text
+from sluice.core.media import FORMATS, MAX_IMAGE_BYTES, sniff
 
 DIM, RESET, RED = "\x1b[2m", "\x1b[0m", "\x1b[31m"
 HELP = (
     "commands: /model [NAME] (show or switch the model), /reset (new conversation), "
+    "/image PATH (attach an image to the next message), "
     '/exit; a line ending in \\ goes on, """ starts or ends a block; '
     "Ctrl-C stops an answer"
 )
+MEDIA_TYPES = {
+    "PNG": "image/png",
+    "JPEG": "image/jpeg",
+    "GIF": "image/gif",
+    "WEBP": "image/webp",
+    "BMP": "image/bmp",
+}
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -70,6 +83,7 @@ class Chat:
         self.system = system
         self.color = color
         self.conversation: str | None = None
+        self.images: list[str] = []  # data: URIs for the next message
         self._sent = 0.0  # when the current turn was sent (time.monotonic)
 
     def _style(self, text: str, style: str) -> str:
@@ -88,6 +102,8 @@ class Chat:
             case "reset":
                 self.conversation = None
                 self.say("(new conversation)", DIM)
+            case "image":
+                self.attach(arg.strip())
             case "model" if arg.strip():
                 self.model, self.conversation = arg.strip(), None
                 self.say(f"(model {self.model}, new conversation)", DIM)
@@ -103,14 +119,50 @@ class Chat:
                 self.say(HELP)
         return True
 
+    def attach(self, arg: str) -> None:
+        """``/image PATH``: the file, checked to be an image, goes with the next message."""
+        if len(arg) > 1 and arg[0] == arg[-1] and arg[0] in "'\"":
+            arg = arg[1:-1]  # a quoted path (one with spaces, pasted from a file manager)
+        if not arg:
+            self.say(f"usage: /image PATH ({FORMATS}); attached now: {len(self.images)}")
+            return
+        path = Path(arg).expanduser()
+        try:
+            with path.open("rb") as file:
+                data = file.read(MAX_IMAGE_BYTES + 1)
+        except OSError as exc:
+            self.say(f"error: cannot read {path}: {exc.strerror or exc}", RED)
+            return
+        kind = sniff(data)
+        if kind is None:
+            self.say(f"error: {path} is not an image ({FORMATS})", RED)
+            return
+        if len(data) > MAX_IMAGE_BYTES:
+            self.say(f"error: {path} is over {MAX_IMAGE_BYTES // 2**20} MiB", RED)
+            return
+        encoded = base64.b64encode(data).decode("ascii")
+        self.images.append(f"data:{MEDIA_TYPES[kind]};base64,{encoded}")
+        n = len(self.images)
+        goes = "it goes" if n == 1 else f"{n} images go"
+        self.say(
+            f"(attached {path.name}: {kind}, {len(data):,} bytes; {goes} with the next message)",
+            DIM,
+        )
+
     def _models(self) -> list[dict[str, Any]]:
         r = self.client.get("/v1/models")
         return list(r.json().get("data") or []) if r.is_success else []
 
     def turn(self, message: str) -> None:
-        """Send ``message`` and print the answer as it streams (Ctrl-C stops it)."""
+        """Send ``message`` (with the images attached, which it takes) and print the
+        answer as it streams (Ctrl-C stops it)."""
+        content: Any = message
+        if self.images:
+            images = [{"type": "image_url", "image_url": {"url": url}} for url in self.images]
+            content = [{"type": "text", "text": message}, *images]
+            self.images = []
         body: dict[str, Any] = {
-            "message": message,
+            "message": content,
             "stream": True,
             "stream_options": {"include_usage": True},
         }

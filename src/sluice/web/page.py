@@ -1,7 +1,7 @@
 """The page's files, read once and served from memory: ``/`` and ``/ui/<name>``.
 
 Every answer carries a strict Content-Security-Policy (only this origin, no
-inline script or style) and a strong ETag, the file's content hash: the page
+inline script or style; images also as ``data:`` URIs, the user's own attachments) and a strong ETag, the file's content hash: the page
 and its own modules are revalidated (``no-cache``, a 304 when unchanged); the
 vendored libraries, whose file names carry their version, are cached for good.
 An asset is looked up by its exact name in a table, never on the file system,
@@ -25,7 +25,7 @@ from sluice.core.errors import NotFound
 INDEX = "index.html"
 PREFIX = "/ui/"
 CSP = (
-    "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self'; "
+    "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
     "connect-src 'self'; object-src 'none'; base-uri 'none'; form-action 'none'; "
     "frame-ancestors 'none'"
 )

@@ -4,10 +4,17 @@
 // Stop aborts the fetch, and the server stops generating and keeps the partial answer.
 
 import { Api, ApiError, errorOf, events } from "/ui/api.js";
+import { Attachments, messageContent } from "/ui/attachments.js";
 import { Tree, renderList, shortened, titleFrom, titleOf } from "/ui/conversations.js";
 import { ModelPicker } from "/ui/models.js";
 import { Settings } from "/ui/settings.js";
-import { StreamingAnswer, messageView, contentText, systemView } from "/ui/thread.js";
+import {
+  StreamingAnswer,
+  messageView,
+  contentImages,
+  contentText,
+  systemView,
+} from "/ui/thread.js";
 
 const $ = (id) => document.getElementById(id);
 const ui = Object.fromEntries(
@@ -18,7 +25,7 @@ const ui = Object.fromEntries(
     "key-dialog", "key-form", "key-input", "key-note", "branch-note", "branch-cancel",
     "toggle-sidebar", "sidebar", "model", "load", "load-progress", "load-text", "empty-hint",
     "thread", "more-conversations", "branch-text", "settings", "settings-dialog",
-    "new-settings", "model-note",
+    "new-settings", "model-note", "attachments", "attach", "attach-input",
   ].map((id) => [id.replace(/-(\w)/g, (_, c) => c.toUpperCase()), $(id)]),
 );
 
@@ -106,6 +113,17 @@ function renderNewSettings() {
   ui.newSettings.textContent = parts.length ? ["New conversation", ...parts].join(" · ") : "";
   ui.newSettings.hidden = parts.length === 0;
 }
+
+const attachments = new Attachments(
+  {
+    list: ui.attachments,
+    button: ui.attach,
+    input: ui.attachInput,
+    dropZone: ui.composer,
+    textbox: ui.message,
+  },
+  showError,
+);
 
 // -- the conversations -----------------------------------------------------------------
 
@@ -267,6 +285,7 @@ function startEdit(message) {
     ? `Editing the first message: the answer starts a new branch, with ${system}.`
     : "Editing an earlier message: the answer starts a new branch.";
   ui.message.value = contentText(message.content);
+  attachments.set(contentImages(message.content));
   ui.branchNote.hidden = false;
   ui.message.focus();
 }
@@ -279,6 +298,7 @@ function endEdit() {
 ui.branchCancel.addEventListener("click", () => {
   endEdit();
   ui.message.value = "";
+  attachments.clear();
 });
 
 // -- a turn ----------------------------------------------------------------------------
@@ -302,10 +322,12 @@ function setBusy(controller) {
 
 async function send() {
   const text = ui.message.value;
-  if (!text.trim() || state.controller) return;
+  const images = attachments.urls;
+  if ((!text.trim() && !images.length) || state.controller) return;
   hideError();
+  const content = messageContent(text, images);
   const body = {
-    message: text,
+    message: content,
     stream: true,
     stream_options: { include_usage: true },
     ...settings.sampling(),
@@ -324,12 +346,13 @@ async function send() {
   const system = !c || parent === null ? settings.systemPrompt : "";
   if (system) body.system = system;
   endEdit();
-  const mine = messageView({ role: "user", content: text });
+  const mine = messageView({ role: "user", content });
   const answer = new StreamingAnswer(picker.value);
   if (system) ui.messages.append(systemView({ content: system }));
   ui.messages.append(mine, answer.article);
   ui.emptyHint.hidden = true;
   ui.message.value = "";
+  const attached = attachments.take();
   scrollDown(true);
 
   const controller = new AbortController();
@@ -383,10 +406,11 @@ async function send() {
     ui.branchNote.hidden = state.branchFrom === undefined;
     renderThread();
     ui.message.value = text;
+    attachments.restore(attached);
     return;
   }
   try {
-    await afterTurn(id ?? c?.id, text, metrics, !c);
+    await afterTurn(id ?? c?.id, text.trim() ? text : "Image", metrics, !c);
   } catch (caught) {
     showError(caught.message);
   }

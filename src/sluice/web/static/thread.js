@@ -11,15 +11,39 @@ function el(tag, className, text) {
   return node;
 }
 
-/** The text of a message's content: a string or OpenAI content parts. */
+/** The text of a message's content: a string or OpenAI content parts (its images
+ * are not text: contentImages has them). */
 export function contentText(content) {
   if (typeof content === "string") return content;
   if (Array.isArray(content)) {
     return content
+      .filter((part) => part.type !== "image_url")
       .map((part) => (part.type === "text" ? part.text : `[${part.type}]`))
       .join("\n");
   }
   return "";
+}
+
+/** The image URLs (data: URIs) of a message's content parts. */
+export function contentImages(content) {
+  if (!Array.isArray(content)) return [];
+  return content
+    .filter((part) => part.type === "image_url")
+    .map((part) => part.image_url?.url ?? part.image_url)
+    .filter((url) => typeof url === "string");
+}
+
+/** A message's images as thumbnails (only data: URIs: nothing is fetched). */
+function imagesView(urls) {
+  const box = el("div", "images");
+  urls.forEach((url, i) => {
+    if (!url.startsWith("data:image/")) return;
+    const img = el("img");
+    img.src = url;
+    img.alt = `Image ${i + 1}`;
+    box.append(img);
+  });
+  return box;
 }
 
 export function formatMetrics({ tokens, rate, ttft }) {
@@ -69,6 +93,7 @@ export function messageView(message, options = {}) {
     article.append(details);
   }
   const text = contentText(message.content);
+  const images = contentImages(message.content);
   if (role === "assistant") {
     const body = el("div", "content markdown");
     body.innerHTML = toHtml(text);
@@ -76,9 +101,10 @@ export function messageView(message, options = {}) {
     article.append(body);
   } else if (role === "tool") {
     article.append(el("pre", "content tool-output", text));
-  } else {
+  } else if (text || !images.length) {
     article.append(el("div", "content plain", text));
   }
+  if (images.length) article.append(imagesView(images));
   for (const call of message.tool_calls ?? []) article.append(toolCallView(call));
 
   const foot = el("div", "msg-foot");
