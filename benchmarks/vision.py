@@ -7,8 +7,9 @@ thread each, the servers measured in turn (the other idle), rounds alternating w
 goes first. Three measures:
 
 * **first token of an image request**: a chat with a new image (a colour neither
-  server has seen: nothing cached) streamed, request sent -> first content token;
-  target: sluice's median <= 1.0x llama-server's;
+  server has seen) under a new system prompt of ~300 words (an agent's is longer;
+  nothing of it cached), streamed, request sent -> first content token; target:
+  sluice's median <= 1.0x llama-server's;
 * **the same image and prompt again**: the request repeated at once; target: sluice's
   repeat <= 0.1x its own first time (the prompt cache knows the image);
 * **streams beside images**: four text streams decoding (200 tokens each) while image
@@ -38,6 +39,7 @@ import httpx
 from harness import REPO, RESULTS, report
 from harness.llama_build import ensure_llama_server
 from harness.machine import loadavg, machine_info
+from harness.prompts import paragraph
 from harness.servers import SLUICE, Server, free_port, llama_server_cmd, models_env
 from harness.stats import med, pct, ratio
 
@@ -52,14 +54,22 @@ def image_uri(rgb: tuple[int, int, int]) -> str:
     return "data:image/png;base64," + base64.b64encode(solid_png(rgb)).decode()
 
 
-def chat(content: Any, max_tokens: int, stream: bool = True) -> dict[str, Any]:
+def chat(
+    content: Any, max_tokens: int, stream: bool = True, system: str | None = None
+) -> dict[str, Any]:
+    head = [{"role": "system", "content": system}] if system else []
     return {
         "model": "smollm2",
-        "messages": [{"role": "user", "content": content}],
+        "messages": [*head, {"role": "user", "content": content}],
         "temperature": 0,
         "max_tokens": max_tokens,
         "stream": stream,
     }
+
+
+def system_prompt(rng: random.Random) -> str:
+    """~300 words of instructions and background, different for each ``rng``."""
+    return "You are a careful assistant. Background: " + paragraph(rng, 300)
 
 
 def image_content(rgb: tuple[int, int, int]) -> list[dict[str, Any]]:
@@ -93,24 +103,24 @@ def token_times(base: str, body: dict[str, Any], out: list[float]) -> None:
                 out.append(time.perf_counter())
 
 
-def prompt_tokens(base: str, content: Any) -> int:
-    r = httpx.post(base + "/v1/chat/completions", json=chat(content, 1, False), timeout=120)
+def prompt_tokens(base: str, content: Any, system: str | None = None) -> int:
+    r = httpx.post(base + "/v1/chat/completions", json=chat(content, 1, False, system), timeout=120)
     r.raise_for_status()
     return int(r.json()["usage"]["prompt_tokens"])
 
 
-def same_length_text(base: str, n: int) -> str:
+def same_length_text(base: str, n: int, system: str) -> str:
     """A text question whose prompt is ``n`` tokens on this server (as an image request's)."""
     words = ["colour"] * 8
     for _ in range(200):
-        got = prompt_tokens(base, " ".join([ASK, *words]))
+        got = prompt_tokens(base, " ".join([ASK, *words]), system)
         if got == n:
             return " ".join([ASK, *words])
         words = words[: len(words) - 1] if got > n else [*words, "colour"]
     sys.exit("could not match the image request's prompt length with text")
 
 
-def gaps_beside(base: str, arrivals: list[Any], seed: int) -> list[float]:
+def gaps_beside(base: str, arrivals: list[tuple[Any, str]], seed: int) -> list[float]:
     """The gaps between tokens of four decoding streams while ``arrivals`` (chat
     contents) are sent one after another, from when the first arrives to the last's end."""
     rng = random.Random(seed)
@@ -127,8 +137,8 @@ def gaps_beside(base: str, arrivals: list[Any], seed: int) -> list[float]:
         t.start()
     time.sleep(1.0)  # all four decoding
     start = time.perf_counter()
-    for content in arrivals:
-        first_token(base, chat(content, 4))
+    for content, system in arrivals:
+        first_token(base, chat(content, 4, system=system))
     end = time.perf_counter()
     for t in threads:
         t.join()
@@ -168,21 +178,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         try:
             for name, srv in servers.items():  # warm-up: first-request code paths
                 first_token(srv.base, chat(image_content((1, 2, 3)), 4))
+            probe = system_prompt(random.Random(999_999))  # (no round draws this seed)
             n_image = {
-                n: prompt_tokens(s.base, image_content((9, 9, 9))) for n, s in servers.items()
+                n: prompt_tokens(s.base, image_content((9, 9, 9)), probe)
+                for n, s in servers.items()
             }
-            texts = {n: same_length_text(s.base, n_image[n]) for n, s in servers.items()}
+            texts = {n: same_length_text(s.base, n_image[n], probe) for n, s in servers.items()}
             for rnd in range(args.rounds):
                 order = list(servers) if rnd % 2 == 0 else list(reversed(servers))
-                colours = [tuple(rng.randrange(256) for _ in range(3)) for _ in range(6)]
+                colours = [tuple(rng.randrange(256) for _ in range(3)) for _ in range(5)]
+                # Each arrival its own system prompt, the same on both servers: nothing cached.
+                systems = [system_prompt(random.Random(1000 * rnd + k)) for k in range(9)]
                 for name in order:
                     base = servers[name].base
-                    body = chat(image_content(colours[0]), 8)  # type: ignore[arg-type]
+                    body = chat(image_content(colours[0]), 8, system=systems[0])  # type: ignore[arg-type]
                     rows[name]["first"].append(first_token(base, body))
                     rows[name]["again"].append(first_token(base, body))
-                    images = [image_content(c) for c in colours[1:]]  # type: ignore[arg-type]
+                    images = [
+                        (image_content(c), s)  # type: ignore[arg-type]
+                        for c, s in zip(colours[1:], systems[1:5])
+                    ]
+                    texts_in = [(texts[name], s) for s in systems[5:9]]
                     rows[name]["image_gaps"] += gaps_beside(base, images, rnd)
-                    rows[name]["text_gaps"] += gaps_beside(base, [texts[name]] * len(images), rnd)
+                    rows[name]["text_gaps"] += gaps_beside(base, texts_in, rnd)
                     print(
                         f"  round {rnd + 1} {name:12s} first {1000 * rows[name]['first'][-1]:7.1f} ms,"
                         f" again {1000 * rows[name]['again'][-1]:6.1f} ms",
