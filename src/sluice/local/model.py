@@ -412,6 +412,11 @@ class LocalModel:
     def stats(self) -> EngineStats:
         return self.engine.stats
 
+    @property
+    def sees_images(self) -> bool:
+        """It has a projector (``engine.llama_media``)."""
+        return getattr(self.runner, "projector", None) is not None
+
     def health(self) -> dict[str, Any]:
         """Slots and engine counters for ``/health``."""
         stats = self.engine.stats

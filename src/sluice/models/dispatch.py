@@ -83,8 +83,8 @@ class SlotLease:
         self.load_seconds = load_seconds
 
     async def open(self, request: GenerationRequest) -> ResponseStream:
-        if self._images is not None:  # a local model: its image URLs fetched first
-            request = await self._images.resolve(request)
+        if self._fetches_images:  # a local model that sees: its image URLs fetched first
+            request = await self._images.resolve(request)  # type: ignore[union-attr]
         with self._meter() as meter:
             stream = await self.backend.open(request)
         live = metered(stream, meter)
@@ -92,10 +92,16 @@ class SlotLease:
             self._flights.track(live, self.slot)
         return live
 
+    @property
+    def _fetches_images(self) -> bool:
+        """Image URLs are fetched for a local model with a projector only: one without
+        says so (a 400) and nothing is fetched for it."""
+        return self._images is not None and bool(getattr(self.backend, "sees_images", False))
+
     async def count_prompt_tokens(self, request: GenerationRequest) -> int:
         """The backend's count of ``request``'s prompt (its image URLs fetched first)."""
-        if self._images is not None:
-            request = await self._images.resolve(request)
+        if self._fetches_images:
+            request = await self._images.resolve(request)  # type: ignore[union-attr]
         return await self.backend.count_prompt_tokens(request)
 
     async def embed(
