@@ -145,6 +145,9 @@ def test_store_false_is_not_kept_and_another_key_sees_nothing() -> None:
     ("body", "param"),
     [
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
+        # (a string where the list goes was a TypeError and a 500)
+        ({"input": [{"type": "reasoning", "summary": "x"}]}, "input[0].summary"),
+        ({"input": [{"type": "reasoning", "content": {"text": "x"}}]}, "input[0].content"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
             "input[0].content[0].type",

@@ -352,7 +352,16 @@ def items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 output = _content(f"{where}.output", output)
             out.append({"role": "tool", "tool_call_id": call_id, "content": output})
         elif kind == "reasoning":
-            for part in (item.get("content") or []) + (item.get("summary") or []):
+            parts: list[Any] = []
+            for field in ("content", "summary"):
+                value = item.get(field)
+                if value is not None and not isinstance(value, list):
+                    raise InvalidRequest(
+                        f"{where}.{field} must be a list of text parts",
+                        param=f"{where}.{field}",
+                    )
+                parts += value or []
+            for part in parts:
                 if isinstance(part, dict) and isinstance(part.get("text"), str):
                     reasoning.append(part["text"])
         elif kind in _DROPPED_ITEMS:
