@@ -233,6 +233,10 @@ def test_model_lists_say_which_models_see(base: str) -> None:
     assert "vision" in show["capabilities"]
     show = httpx.post(base + "/api/show", json={"model": "gemma3-270m"}, timeout=30).json()
     assert "vision" not in show["capabilities"]
+    info = {m["id"]: m for m in httpx.get(base + "/v1/info", timeout=30).json()["models"]}
+    assert info["smollm2-135m-instruct"]["capabilities"]["vision"] is True
+    assert info["smollm2-135m-instruct"]["modalities"]["input"] == ["text", "image"]
+    assert info["gemma-3-270m"]["capabilities"]["vision"] is False
     lms = httpx.get(base + "/api/v1/models", timeout=30).json()["models"]
     vision = {m["key"]: m["capabilities"]["vision"] for m in lms}
     assert vision["smollm2-135m-instruct"] is True and vision["gemma-3-270m"] is False
