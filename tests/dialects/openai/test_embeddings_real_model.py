@@ -63,3 +63,35 @@ def test_ollama_embed_equals_openais(base: str, gateway: str, model: str) -> Non
         np.array(answer.embeddings), np.array([d.embedding for d in local.data]), atol=1e-5
     )
     assert answer.prompt_eval_count and answer.prompt_eval_count > 10
+
+
+def test_a_long_input_does_not_hold_short_ones(base: str) -> None:
+    """A 100,000-character input (truncated to the 4,096-token window: seconds of
+    decode) and, meanwhile, a few words from another client: the short one has its own
+    pooled context and answers at once."""
+    import threading
+    import time
+
+    import httpx
+
+    wait_idle(base, within=10)
+    long_text = "The lighthouse keeper wrote another line in the log. " * 1900  # ~100k chars
+    done: dict[str, float] = {}
+
+    def long_request() -> None:
+        r = httpx.post(
+            f"{base}/api/embed", json={"model": "smollm2", "input": long_text}, timeout=300
+        )
+        assert r.status_code == 200, r.text
+        done["long"] = time.monotonic()
+
+    worker = threading.Thread(target=long_request)
+    worker.start()
+    time.sleep(1.5)  # its decode under way
+    started = time.monotonic()
+    r = httpx.post(f"{base}/api/embed", json={"model": "smollm2", "input": "a cat"}, timeout=60)
+    elapsed = time.monotonic() - started
+    assert r.status_code == 200 and len(r.json()["embeddings"][0]) == 576
+    worker.join()
+    assert "long" in done and done["long"] > started + elapsed  # the long one still ran
+    assert elapsed < 1.0, f"the short input waited {elapsed:.2f} s"
