@@ -91,9 +91,13 @@ def base64_data_uri(b64: str, where: str) -> str:
         start = base64.b64decode(head[: len(head) // 4 * 4], validate=True)
     except (binascii.Error, ValueError):
         raise InvalidRequest(f"{where}: not base64 image data", param=where) from None
-    kind = sniff(start)
-    mime = f"image/{kind.lower()}" if kind else "application/octet-stream"
-    return f"data:{mime};base64,{b64.strip()}"
+    return f"data:{image_mime(start)};base64,{b64.strip()}"
+
+
+def image_mime(data: bytes) -> str:
+    """The media type ``data`` starts like (``application/octet-stream``: no image)."""
+    kind = sniff(data)
+    return f"image/{kind.lower()}" if kind else "application/octet-stream"
 
 
 def decode_image(data: bytes, where: str) -> Picture:

@@ -73,11 +73,12 @@ class ImageChunk:
 class Projector:
     """A loaded projector, tied to one text model."""
 
-    def __init__(self, M: Any, ctx: Any, path: str, size_bytes: int) -> None:
+    def __init__(self, M: Any, ctx: Any, path: str, size_bytes: int, n_embd: int) -> None:
         self._M = M
         self._ctx = ctx
         self.path = path
         self.size_bytes = size_bytes
+        self.n_embd = n_embd  # the text model's embedding width: an image row's
         self.vision = bool(M.mtmd_support_vision(ctx))
         self.audio = bool(M.mtmd_support_audio(ctx))
         self._lock = threading.Lock()  # the encoder's output buffer is the context's own
@@ -109,7 +110,10 @@ class Projector:
                 f"The projector {file} places images with M-RoPE (Qwen2-VL and later), "
                 "which sluice does not decode yet"
             )
-        return cls(M, ctx, str(file), file.stat().st_size)
+        import llama_cpp
+
+        n_embd = int(llama_cpp.llama_model_n_embd(model))
+        return cls(M, ctx, str(file), file.stat().st_size, n_embd)
 
     def pieces(self, picture: Picture, where: str) -> list[list[int] | ImageChunk]:
         """The prompt's pieces for one image: text tokens and the image's chunk."""
@@ -177,8 +181,6 @@ class Projector:
                     _, old = self._kept.popitem(last=False)
                     self._kept_bytes -= old.nbytes
             return rows
-
-    n_embd: int = 0  # set by the runner: the text model's embedding width
 
     def close(self) -> None:
         if self._ctx:

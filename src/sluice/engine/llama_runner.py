@@ -288,7 +288,6 @@ class LlamaRunner(SamplingMixin):
             except BaseException:
                 runner.close()
                 raise
-            runner.projector.n_embd = runner.n_embd
         log.info(
             "loaded %s: model %.3f s, context %.3f s, vocabulary tables %.3f s; flash attention %s",
             config.model_id or path.stem,

@@ -59,6 +59,16 @@ class _PublicOnlyBackend(addresses.PublicOnlyConnector, httpcore.AsyncNetworkBac
     """Resolves, checks, then connects to the checked addresses by number."""
 
 
+def on_allowed_hosts(url: httpx.URL, allowed_hosts: str | None) -> bool:
+    """Whether ``url``'s host (by the name connected, IDNA, or as written) and port are
+    on ``allowed_hosts`` (``--download-allowed-hosts``; None: every host is)."""
+    if allowed_hosts is None:
+        return True
+    host = url.raw_host.decode("ascii")  # the name connected: IDNA, no brackets
+    port = url.port or (443 if url.scheme == "https" else 80)
+    return any(addresses.host_allowed(name, port, allowed_hosts) for name in (host, url.host))
+
+
 def check_url(url: str) -> None:
     try:
         parsed = httpx.URL(url)

@@ -69,6 +69,7 @@ from sluice.models.download_checks import (
     check_sha256,
     check_url,
     file_name,
+    on_allowed_hosts,
     public_only_transport,
 )
 
@@ -261,10 +262,7 @@ class DownloadManager:
         parsed = httpx.URL(url)
         host = parsed.raw_host.decode("ascii")  # the name connected: IDNA, no brackets
         port = parsed.port or (443 if parsed.scheme == "https" else 80)
-        allowed = self._allowed_hosts
-        if allowed is not None and not any(
-            addresses.host_allowed(name, port, allowed) for name in (host, parsed.host)
-        ):
+        if not on_allowed_hosts(parsed, self._allowed_hosts):
             raise DownloadNotAllowed(
                 f"The download host {parsed.host!r} is not on this server's allowed hosts.",
                 param="url",
@@ -288,10 +286,7 @@ class DownloadManager:
         url = request.url
         host = url.raw_host.decode("ascii")
         port = url.port or (443 if url.scheme == "https" else 80)
-        allowed = self._allowed_hosts
-        if allowed is not None and not any(
-            addresses.host_allowed(name, port, allowed) for name in (host, url.host)
-        ):
+        if not on_allowed_hosts(url, self._allowed_hosts):
             raise DownloadFailed(
                 f"The download was sent to {url.host!r}, which is not on this server's "
                 "allowed hosts (--download-allowed-hosts)."

@@ -26,9 +26,9 @@ import httpx
 from sluice.config import Settings
 from sluice.core import addresses
 from sluice.core.errors import InvalidRequest
-from sluice.core.media import MAX_IMAGE_BYTES, sniff
+from sluice.core.media import MAX_IMAGE_BYTES, image_mime
 from sluice.core.request import GenerationRequest
-from sluice.models.download_checks import public_only_transport
+from sluice.models.download_checks import on_allowed_hosts, public_only_transport
 
 FETCH_SECONDS = 30.0  # one image, connection to last byte
 MAX_REDIRECTS = 5
@@ -116,20 +116,13 @@ class ImageFetcher:
             raise InvalidRequest(
                 f"{where}: the image could not be fetched ({exc})", param=where
             ) from None
-        kind = sniff(data)
-        mime = f"image/{kind.lower()}" if kind else "application/octet-stream"
-        return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
+        return f"data:{image_mime(data)};base64,{base64.b64encode(data).decode('ascii')}"
 
     def _check_host(self, url: str, where: str) -> None:
         parsed = httpx.URL(url)
         if parsed.scheme not in ("http", "https"):
             raise InvalidRequest(f"{where}: an image URL must be http(s)", param=where)
-        allowed = self._allowed_hosts
-        port = parsed.port or (443 if parsed.scheme == "https" else 80)
-        host = parsed.raw_host.decode("ascii")
-        if allowed is not None and not any(
-            addresses.host_allowed(name, port, allowed) for name in (host, parsed.host)
-        ):
+        if not on_allowed_hosts(parsed, self._allowed_hosts):
             raise InvalidRequest(
                 f"{where}: the image host {parsed.host!r} is not on this server's allowed "
                 "hosts (--download-allowed-hosts)",
