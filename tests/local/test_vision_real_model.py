@@ -240,6 +240,14 @@ def test_model_lists_say_which_models_see(base: str) -> None:
     lms = httpx.get(base + "/api/v1/models", timeout=30).json()["models"]
     vision = {m["key"]: m["capabilities"]["vision"] for m in lms}
     assert vision["smollm2-135m-instruct"] is True and vision["gemma-3-270m"] is False
+    # Gemini's Model has no field for it (every Gemini model sees); its limits stay the
+    # window a load gives, loaded or not.
+    gemini = httpx.get(base + "/v1beta/models", timeout=30).json()["models"]
+    for model in gemini:
+        window = info[model["baseModelId"]]["context_window"]
+        assert model["inputTokenLimit"] == model["outputTokenLimit"] == window > 0
+    one = httpx.get(base + "/v1beta/models/smollm2-135m-instruct", timeout=30).json()
+    assert one["inputTokenLimit"] == info["smollm2-135m-instruct"]["context_window"]
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,12 @@ from sluice.core.model import ModelSpec
 from sluice.core.request import SamplerDefaults
 from sluice.local.model import LocalModel
 from sluice.models.entries import ModelStatus
-from sluice.models.files import ModelFile, read_all_model_files, reasoning_capability
+from sluice.models.files import (
+    ModelFile,
+    context_window,
+    read_all_model_files,
+    reasoning_capability,
+)
 from sluice.server.auth import ADMIN, USER, is_admin, key_name
 from sluice.server.sse import dumps, json_response
 from sluice.server.state import ServerState, server_state
@@ -40,12 +45,8 @@ def _local(
 ) -> dict[str, Any]:
     settings = state.settings
     model = state.registry.get_loaded(spec.name)
-    if isinstance(model, LocalModel):
-        window = model.runner.n_ctx_seq
-    else:  # what a load would give it
-        window = spec.ctx or settings.ctx
-    if file is not None and file.info.context_length:
-        window = min(window, file.info.context_length)
+    loaded = model.runner.n_ctx_seq if isinstance(model, LocalModel) else None
+    window = context_window(spec, settings, file, loaded)
     template = file.template if file is not None else None
     return {
         "id": spec.name,

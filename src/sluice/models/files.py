@@ -98,6 +98,17 @@ def read_all_model_files(specs: list[ModelSpec], settings: Settings) -> dict[str
     return files
 
 
+def context_window(
+    spec: ModelSpec, settings: Settings, file: ModelFile | None, loaded: int | None
+) -> int:
+    """A local model's context window: its loaded runner's (``loaded``), else what a load
+    would give it (its ``ctx``, else ``--ctx``); never past what its file was trained for."""
+    window = loaded if loaded is not None else (spec.ctx or settings.ctx)
+    if file is not None and file.info.context_length:
+        window = min(window, file.info.context_length)
+    return window
+
+
 def reasoning_capability(template: str | None) -> dict[str, Any] | None:
     """LM Studio's ``capabilities.reasoning`` for a chat template; None if it does not think.
 

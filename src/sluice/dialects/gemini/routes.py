@@ -36,12 +36,13 @@ from sluice.dialects.gemini.format import GeminiFormatter, error_body, error_fra
 from sluice.dialects.gemini.schema import CountTokensRequest, GenerateContentRequest, parse
 from sluice.metrics import GeminiRecordTap
 from sluice.models.dispatch import UpstreamTarget
+from sluice.models.files import context_window, read_all_model_files
 from sluice.models.flights import identify
 from sluice.server.jsonbody import check_body_limits, check_embed_inputs
 from sluice.server.respond import CLIENT_GONE, count_prompt, errors_as, forward, respond
 from sluice.server.sse import json_response, sse_stream
 from sluice.server.state import ServerState, read_json, server_state
-from sluice.upstream.backend import slot_header
+from sluice.upstream.backend import slot_header, upstream_context
 
 log = logging.getLogger("sluice.api")
 
@@ -276,39 +277,48 @@ def _check_limits(data: Any, state: ServerState) -> None:
 
 
 def _entry(name: str, context: int | None, methods: tuple[str, ...]) -> dict[str, Any]:
+    """Google's ``Model`` resource. It has no field for what a model takes in (every
+    Gemini model sees): which models see is in ``/v1/info`` and the other lists."""
     return {
         "name": f"models/{name}",
         "baseModelId": name,
         "version": "001",
         "displayName": name,
         "description": f"{name}, served by sluice",
+        # a window is shared by the prompt and the reply: either may take all of it
         "inputTokenLimit": context or 0,
         "outputTokenLimit": context or 0,
         "supportedGenerationMethods": list(methods),
     }
 
 
-def _catalog(state: ServerState) -> list[dict[str, Any]]:
-    methods = _METHODS
+async def _catalog(state: ServerState, only: str | None = None) -> list[dict[str, Any]]:
+    """Every model (``only``: that one), local ones with the window a load gives them
+    (their file read off the loop), upstream ones with what their server says (0:
+    unknown)."""
+    specs = [s for s in state.registry.known() if only in (None, s.name)]
+    files = await state.offload.run(lambda: read_all_model_files(specs, state.settings))
     out = []
-    for spec in state.registry.known():
-        loaded = state.registry.get_loaded(spec.name)
-        context = getattr(getattr(loaded, "runner", None), "n_ctx_seq", None)
-        out.append(_entry(spec.name, context, methods))
-    for public, _slot, _model in state.dispatcher.upstream_models():
-        out.append(_entry(public, None, methods))
+    for spec in specs:
+        runner = getattr(state.registry.get_loaded(spec.name), "runner", None)
+        loaded = getattr(runner, "n_ctx_seq", None)
+        window = context_window(spec, state.settings, files[spec.name], loaded)
+        out.append(_entry(spec.name, window, _METHODS))
+    for public, slot, model in state.dispatcher.upstream_models():
+        if only in (None, public):
+            out.append(_entry(public, upstream_context(slot.entry(model)), _METHODS))
     return out
 
 
 @errors_as(error_response)
 async def list_models(request: Request) -> Response:
-    return json_response({"models": _catalog(server_state(request))})
+    return json_response({"models": await _catalog(server_state(request))})
 
 
 @errors_as(error_response)
 async def get_model(request: Request) -> Response:
     name = request.path_params["model"].removeprefix("models/")
-    for entry in _catalog(server_state(request)):
+    for entry in await _catalog(server_state(request), name):
         if entry["name"] == f"models/{name}":
             return json_response(entry)
     raise ModelNotFound(name)

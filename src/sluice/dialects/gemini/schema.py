@@ -4,8 +4,8 @@
   ``model``) -> chat messages: text parts joined, ``thought`` parts of a model turn its
   ``reasoning_content``, ``functionCall`` parts its ``tool_calls`` (arguments as JSON
   text), ``functionResponse`` parts tool messages (matched to their call by ``id``, or
-  by name in order where the client sends no ids); ``inlineData`` images go to upstream
-  models as ``image_url`` parts (a local model has no vision: a 400 that says so);
+  by name in order where the client sends no ids); ``inlineData`` images become
+  ``image_url`` parts (a local model without a projector: a 400 that says so);
   ``thoughtSignature`` is accepted and ignored;
 * ``tools[].functionDeclarations`` -> function tools: ``parameters`` (the OpenAPI
   subset, ``type: "OBJECT"``, ``nullable``) as JSON Schema, or ``parametersJsonSchema``
