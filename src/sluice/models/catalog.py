@@ -23,6 +23,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
@@ -166,8 +167,9 @@ def scan_models_dir(path: str | os.PathLike[str]) -> list[ModelSpec]:
 
 
 def delete_from_models_dir(spec: ModelSpec, root: str | os.PathLike[str]) -> int:
-    """Delete a models-folder model's file (every shard of a split one), then the
-    folders it leaves empty below ``root``; the bytes freed. A symlink is removed,
+    """Delete a models-folder model's file (every shard of a split one), the projectors
+    of a folder below ``root`` it leaves without a model, then the folders it leaves
+    empty below ``root``; the bytes freed. A symlink is removed,
     not its target. Blocking (file system)."""
     base = Path(root).expanduser().absolute()
     first = Path(spec.source)
@@ -189,6 +191,11 @@ def delete_from_models_dir(spec: ModelSpec, root: str | os.PathLike[str]) -> int
         except FileNotFoundError:
             continue
     folder = first.parent
+    if folder != base and not any(_model_files(folder)):  # its projector goes with it
+        for projector in folder.glob("mmproj*.gguf"):
+            with contextlib.suppress(FileNotFoundError):
+                freed += projector.lstat().st_size
+                projector.unlink()
     while folder != base and folder.is_relative_to(base):
         try:
             folder.rmdir()  # only if empty

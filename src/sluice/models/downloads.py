@@ -21,6 +21,15 @@ proxy (``HTTP_PROXY``/``HTTPS_PROXY``/``ALL_PROXY``, honoured as httpx honours t
 the proxy makes the connection, so the address rule is applied to the target host,
 resolved here before each request (the proxy's own lookup is the proxy's).
 
+A URL of a file in a Hugging Face-style repo (``.../<org>/<repo>/resolve/<rev>/x.gguf``)
+whose folder also holds a projector (``mmproj*.gguf``, a vision model's second file,
+found through the repo's tree listing: :mod:`sluice.models.hub`) brings the projector
+too, as LM Studio and Ollama do: both land in a folder of their own,
+``<models>/<x>/x.gguf`` and ``<models>/<x>/mmproj-....gguf``, where the catalog finds the
+projector beside its model (and a projector never sits beside another model). The
+job's progress counts both files; the projector comes first (it is the smaller), and
+its failure fails the job. A listing that cannot be had is no projector, not an error.
+
 File writes and hashing run on worker threads one chunk at a time (about
 1 MiB), so the event loop never waits on the disk for long. They are short,
 unlike the calls :mod:`sluice.local.offload` runs, so ``asyncio.to_thread``
@@ -57,6 +66,7 @@ from typing import IO, Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 import httpx
+import orjson
 
 from sluice.core import addresses
 from sluice.core.errors import (
@@ -65,6 +75,7 @@ from sluice.core.errors import (
     JobNotFound,
     ShuttingDown,
 )
+from sluice.models import hub
 from sluice.models.download_checks import (
     check_sha256,
     check_url,
@@ -108,6 +119,7 @@ class DownloadJob:
         self.completed_at: datetime | None = None
         self.error: DownloadFailed | None = None
         self._validator: str | None = None  # the file's ETag or Last-Modified, for If-Range
+        self.projector: DownloadJob | None = None  # a vision model's projector, fetched first
         self._rate = _Rate()
         self._done = asyncio.Event()
 
@@ -125,15 +137,30 @@ class DownloadJob:
         await self._done.wait()
 
     def bytes_per_second(self) -> float | None:
-        """The transfer rate over the last few seconds; None before there is one."""
-        return self._rate.per_second(time.monotonic())
+        """The transfer rate over the last few seconds (of the file in transfer); None
+        before there is one."""
+        rate = self._rate.per_second(time.monotonic())
+        if rate is None and self.projector is not None:
+            return self.projector.bytes_per_second()
+        return rate
+
+    def progress(self) -> tuple[int, int | None]:
+        """Bytes downloaded and the total (None until known), the projector's included."""
+        done, total = self.downloaded_bytes, self.total_size_bytes
+        extra = self.projector
+        if extra is not None:
+            done += extra.downloaded_bytes
+            more = extra.total_size_bytes
+            total = None if total is None or more is None else total + more
+        return done, total
 
     def status_dict(self) -> dict[str, Any]:
         """LM Studio's download status object; fields not known (yet) are left out."""
         out: dict[str, Any] = {"job_id": self.id, "status": self.status, "model": self.model}
-        if self.total_size_bytes is not None:
-            out["total_size_bytes"] = self.total_size_bytes
-        out["downloaded_bytes"] = self.downloaded_bytes
+        done, total = self.progress()
+        if total is not None:
+            out["total_size_bytes"] = total
+        out["downloaded_bytes"] = done
         if self.status == "already_downloaded":
             return out  # nothing was transferred: no times, no rate
         out["started_at"] = _iso(self.started_at)
@@ -141,8 +168,8 @@ class DownloadJob:
             rate = self.bytes_per_second()
             if rate is not None:
                 out["bytes_per_second"] = round(rate, 1)
-                left = (self.total_size_bytes or 0) - self.downloaded_bytes
-                if rate > 0 and self.total_size_bytes is not None and left >= 0:
+                left = (total or 0) - done
+                if rate > 0 and total is not None and left >= 0:
                     out["estimated_completion"] = _iso(_utcnow() + timedelta(seconds=left / rate))
         if self.completed_at is not None:
             out["completed_at"] = _iso(self.completed_at)
@@ -222,8 +249,10 @@ class DownloadManager:
         """Start downloading ``url`` (returns at once; the transfer runs as a task).
 
         The file is named ``filename`` or after the URL's last path segment and
-        must be a ``.gguf``. A file already in the folder gives a job with status
-        ``already_downloaded``; a file being downloaded gives the running job.
+        must be a ``.gguf``; with a projector offered beside it (:mod:`sluice.models.hub`)
+        both go into a folder named after the file. A file already in the folder gives a
+        job with status ``already_downloaded``; a file being downloaded gives the
+        running job.
         Raises :class:`InvalidRequest` (``param`` ``"url"``, ``"filename"`` or
         ``"sha256"``), :class:`DownloadNotAllowed` for a host this manager may not
         download from.
@@ -233,25 +262,74 @@ class DownloadManager:
         name = file_name(url, filename)
         expected = check_sha256(sha256)
         await self._check_host(url)
+        flat = self.models_dir / name
+        projector = None if flat.exists() else await self._projector(url, name)
         # No await from here until the job is registered: two calls for one file cannot race.
         self._check_open()
-        path = self.models_dir / name
+        folder = self.models_dir / name.removesuffix(".gguf") if projector else self.models_dir
+        path = folder / name
         running = self._running.get(path)
         if running is not None:
             return running
-        if path.exists():
-            job = DownloadJob(self._new_id(), url, path, expected, "already_downloaded")
-            job.downloaded_bytes = job.total_size_bytes = path.stat().st_size
+        there = next((p for p in (flat, path) if p.exists()), None)
+        if there is not None:
+            job = DownloadJob(self._new_id(), url, there, expected, "already_downloaded")
+            job.downloaded_bytes = job.total_size_bytes = there.stat().st_size
             self._jobs[job.id] = job
             job._done.set()
             return job
         job = DownloadJob(self._new_id(), url, path, expected, "downloading")
+        if projector is not None:
+            extra = DownloadJob(
+                f"{job.id}-mmproj",
+                projector.url,
+                folder / projector.name,
+                projector.sha256,
+                "downloading",
+            )
+            extra.total_size_bytes = projector.size
+            job.projector = extra
         self._jobs[job.id] = job
         self._running[path] = job
         task = asyncio.create_task(self._run(job), name=f"sluice-download-{job.id}")
         self._tasks[job.id] = task
         task.add_done_callback(functools.partial(self._task_done, job))
         return job
+
+    async def _projector(self, url: str, name: str) -> hub.Listed | None:
+        """The projector the URL's repo offers beside its file, from the repo's listing
+        (fetched under the same rules as the file); None if none, or no listing."""
+        listing = hub.listing_url(url)
+        if listing is None:
+            return None
+        try:
+            async with asyncio.timeout(hub.LISTING_SECONDS):
+                body = await self._listing(listing)
+            found = None if body is None else hub.pick_projector(url, orjson.loads(body))
+        except (httpx.HTTPError, addresses.NotPublic, DownloadFailed, TimeoutError) as exc:
+            log.info("download: no listing at %s (%s)", _redact(listing), exc)
+            return None
+        except orjson.JSONDecodeError:
+            log.info("download: the listing at %s is not JSON", _redact(listing))
+            return None
+        if found is None or found.name == name:
+            return None
+        log.info("download: %s comes with its projector %s", name, found.name)
+        return found
+
+    async def _listing(self, url: str) -> bytes | None:
+        """A listing's body (at most :data:`hub.LISTING_MAX_BYTES`); None if not a 200."""
+        headers = {"Accept": "application/json"}
+        async with self._client.stream("GET", url, headers=headers) as response:
+            if response.status_code != 200:
+                log.info("download: no listing at %s (HTTP %d)", _redact(url), response.status_code)
+                return None
+            body = bytearray()
+            async for chunk in response.aiter_bytes():
+                body += chunk
+                if len(body) > hub.LISTING_MAX_BYTES:
+                    return None
+            return bytes(body)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -338,6 +416,9 @@ class DownloadManager:
         """The task: never lets an exception escape, always ends the job."""
         log.info("download %s: %s -> %s", job.id, job.display_url, job.path)
         try:
+            extra = job.projector
+            if extra is not None and not extra.path.exists():
+                await self._transfer(extra)
             await self._transfer(job)
         except asyncio.CancelledError:
             log.info("download %s paused at %d bytes", job.id, job.downloaded_bytes)

@@ -9,6 +9,8 @@ has ``--download-allow-private``: the file server is on loopback).
 
 from __future__ import annotations
 
+import base64
+import json
 import socket
 import time
 from collections.abc import Iterator
@@ -21,6 +23,7 @@ import pytest
 
 from sluice.models.catalog import resolve_model
 from sluice.models.gguf import read_gguf_info
+from tests.support.projector import colour_projector, solid_png
 from tests.support.real_server import QUIET
 from tests.support.servers import http_server, serve_process
 
@@ -29,6 +32,7 @@ pytestmark = pytest.mark.integration
 SMOLLM2 = "smollm2-135m-instruct"
 GEMMA = "gemma-3-270m"
 MIRROR = "mirror-smollm2"  # the downloaded copy's model key: its file stem
+SEEING = "seeing-smollm2"  # downloaded from a repo that offers its projector
 DROP_AFTER = 8 << 20  # the first response of the mirror file breaks off here
 
 
@@ -37,11 +41,19 @@ class FileServer:
 
     def __init__(self, files: dict[str, Path]) -> None:
         self.files = files
+        self.listing: list[dict[str, Any]] = []  # a repo's tree, at /api/models/...
         self.ranges: dict[str, list[str | None]] = {name: [] for name in files}
         self.dropped = False
         self.base = ""
 
     def handle(self, h: BaseHTTPRequestHandler) -> None:
+        if h.path.startswith("/api/models/"):
+            body = json.dumps(self.listing).encode()
+            h.send_response(200)
+            h.send_header("Content-Length", str(len(body)))
+            h.end_headers()
+            h.wfile.write(body)
+            return
         name = h.path.rsplit("/", 1)[-1]
         path = self.files.get(name)
         if path is None:
@@ -92,7 +104,19 @@ def files(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fi
     short = tmp_path_factory.mktemp("served") / "short.gguf"
     with source.open("rb") as f:
         short.write_bytes(f.read(1 << 20))  # a GGUF head: enough to fail its checksum
-    server = FileServer({f"{MIRROR}.gguf": source, "short.gguf": short})
+    projector = colour_projector("smollm2")
+    server = FileServer(
+        {
+            f"{MIRROR}.gguf": source,
+            "short.gguf": short,
+            f"{SEEING}.gguf": source,
+            "mmproj-seeing-f16.gguf": projector,
+        }
+    )
+    server.listing = [  # what the repo's tree says of its folder
+        {"type": "file", "path": name, "size": server.files[name].stat().st_size}
+        for name in (f"{SEEING}.gguf", "mmproj-seeing-f16.gguf")
+    ]
     with http_server(server.handle) as base:
         server.base = base
         yield server
@@ -291,6 +315,40 @@ def test_download_resumes_and_the_model_is_served(
     again = post(base, "download", {"model": files.url(f"{MIRROR}.gguf")})
     assert again.status_code == 200, again.text
     assert again.json() == {"status": "already_downloaded", "model": MIRROR}
+
+
+def test_a_download_brings_the_projector_its_repo_offers(
+    base: str, files: FileServer, models_dir: Path
+) -> None:
+    url = f"{files.base}/org/seeing-GGUF/resolve/main/{SEEING}.gguf"
+    r = post(base, "download", {"model": url})
+    assert r.status_code == 200, r.text
+    done = wait_job(base, r.json()["job_id"])
+    assert done["status"] == "completed", done
+    assert sorted(p.name for p in (models_dir / SEEING).iterdir()) == [
+        "mmproj-seeing-f16.gguf",
+        f"{SEEING}.gguf",
+    ]
+    assert listing(base)[SEEING]["capabilities"]["vision"] is True
+    assert listing(base)[MIRROR]["capabilities"]["vision"] is False
+    show = httpx.post(f"{base}/api/show", json={"model": SEEING}, timeout=30).json()
+    assert "vision" in show["capabilities"]
+    png = base64.b64encode(solid_png((230, 20, 20))).decode()
+    ask = "Name the colour of this image in one word."
+    content = [
+        {"type": "text", "text": ask},
+        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png}"}},
+    ]
+    chat = {
+        "model": SEEING,
+        "messages": [{"role": "user", "content": content}],
+        "temperature": 0,
+        "max_tokens": 12,
+    }
+    r = httpx.post(f"{base}/v1/chat/completions", json=chat, timeout=120)
+    assert r.status_code == 200, r.text
+    assert "red" in r.json()["choices"][0]["message"]["content"].lower()
+    post(base, "unload", {"instance_id": SEEING})
 
 
 def test_download_checksum_mismatch_fails_and_leaves_no_file(

@@ -214,6 +214,31 @@ def test_pull_a_url_streams_progress_then_success(tmp_path: Any) -> None:
     assert again.json() == {"status": "success"}  # already there
 
 
+def test_pull_brings_the_projector_the_repo_offers(tmp_path: Any) -> None:
+    data = b"GGUF" + bytes(range(256)) * 400
+    tree = [
+        {"type": "file", "path": p, "size": len(data)} for p in ("tiny.gguf", "mmproj-f16.gguf")
+    ]
+    serve_file = _file_server_handler(data)
+
+    def handle(h: Any) -> None:
+        if not h.path.startswith("/api/models/o/r/tree/main"):
+            return serve_file(h)
+        body = json.dumps(tree).encode()
+        h.send_response(200)
+        h.send_header("Content-Length", str(len(body)))
+        h.end_headers()
+        h.wfile.write(body)
+
+    settings = {"models_dir": str(tmp_path), "download_allow_private": True}
+    with http_server(handle) as files, scripted_server(ScriptedRunner(), **settings) as base:
+        url = f"{files}/o/r/resolve/main/tiny.gguf"
+        r = httpx.post(base + "/api/pull", json={"model": url}, timeout=30)
+    progress = [g for g in lines(r.content) if "total" in g]
+    assert progress[-1]["completed"] == progress[-1]["total"] == 2 * len(data)
+    assert sorted(p.name for p in (tmp_path / "tiny").iterdir()) == ["mmproj-f16.gguf", "tiny.gguf"]
+
+
 def test_pull_refuses_registry_names_and_private_addresses(tmp_path: Any) -> None:
     with scripted_server(ScriptedRunner(), models_dir=str(tmp_path)) as base:
         name = httpx.post(base + "/api/pull", json={"model": "llama3.2"}, timeout=30)

@@ -518,15 +518,15 @@ async def pull(request: Request) -> Response:
         last: tuple[int, int | None] | None = None
         while True:
             done = job.finished
-            progress = (job.downloaded_bytes, job.total_size_bytes)
-            if progress != last and job.total_size_bytes is not None:
+            progress = job.progress()  # (done, total), a projector's included
+            if progress != last and progress[1] is not None:
                 last = progress
                 yield dumps_line(
                     {
                         "status": f"pulling {job.model}",
                         "digest": f"sha256:{job.sha256 or job.id}",
-                        "total": job.total_size_bytes,
-                        "completed": job.downloaded_bytes,
+                        "total": progress[1],
+                        "completed": progress[0],
                     }
                 )
             if done:
