@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,6 +125,37 @@ class ServerBusy(SluiceError):
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(self.retry_after)}
+
+
+class RateLimited(SluiceError):
+    """A key's limit is reached (``[keys]``: rpm, max_streams): retry after ``retry_after``
+    seconds. ``limit_headers`` are the rate-limit headers the dialect's clients read."""
+
+    def __init__(
+        self,
+        message: str,
+        retry_after: float | None,
+        limit_headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+        self.limit_headers = limit_headers or {}
+
+    def headers(self) -> dict[str, str]:
+        headers = dict(self.limit_headers)
+        if self.retry_after is not None:
+            # Whole seconds, rounded up (the header's unit); -ms for the SDKs that read it.
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after)))
+            headers["retry-after-ms"] = str(max(1, math.ceil(self.retry_after * 1000)))
+        return headers
+
+
+class TokensLimited(RateLimited):
+    """A key's tokens-a-minute limit (``tpm``) is reached."""
+
+
+class BudgetSpent(RateLimited):
+    """A key's token budget for its period is spent (``token_budget``)."""
 
 
 class ShuttingDown(SluiceError):
@@ -261,6 +293,10 @@ _TABLE: dict[type[SluiceError], ErrorSpec] = {
     RequestNotFound: ErrorSpec(404, "invalid_request_error", "request_not_found"),
     ServerBusy: ErrorSpec(503, "server_error", "server_busy"),
     ShuttingDown: ErrorSpec(503, "server_error", "shutting_down"),
+    # OpenAI's shapes: its 429s say which limit ("requests", "tokens") in ``type``.
+    RateLimited: ErrorSpec(429, "requests", "rate_limit_exceeded"),
+    TokensLimited: ErrorSpec(429, "tokens", "rate_limit_exceeded"),
+    BudgetSpent: ErrorSpec(429, "insufficient_quota", "insufficient_quota"),
     EngineFailure: ErrorSpec(500, "server_error", "engine_error"),
     ModelUnloaded: ErrorSpec(503, "server_error", "model_unloaded"),
     ModelLoadFailed: ErrorSpec(500, "server_error", "model_load_failed"),
@@ -298,6 +334,7 @@ _LMSTUDIO_TYPES: dict[type[SluiceError], str] = {
     NotFound: "invalid_request",
     ServerBusy: "unknown",
     ShuttingDown: "unknown",
+    RateLimited: "rate_limit_exceeded",
     ModelUnloaded: "unknown",
     RequestCancelled: "unknown",
     DownloadFailed: "unknown",

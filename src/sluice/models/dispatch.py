@@ -31,11 +31,12 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from sluice.core.backend import Backend, Embeddings, LoadOptions, Progress, ResponseStream
-from sluice.core.errors import SluiceError, spec_for
+from sluice.core.errors import ModelNotFound, SluiceError, spec_for
 from sluice.core.request import GenerationRequest
 from sluice.metrics import Metrics, OpenAIChunkTap, RequestMeter, metered
-from sluice.models.flights import Flights, Waiting
+from sluice.models.flights import CALLER, Flights, Waiting
 from sluice.models.images import ImageFetcher
+from sluice.models.limits import Gate
 from sluice.models.registry import ModelRegistry
 from sluice.upstream.affinity import affinity_key
 from sluice.upstream.backend import Passthrough, UpstreamModel, UpstreamSlot
@@ -117,6 +118,8 @@ class SlotLease:
     def _meter(self) -> Iterator[RequestMeter]:
         """A request meter for this slot, finished as failed if the body raises."""
         meter = self._metrics.slot(self.slot, self._kind).request()
+        if isinstance(self.backend, UpstreamModel):
+            meter.model = self.backend.name  # usage is by the upstream's name for the model
         try:
             yield meter
         except SluiceError as exc:
@@ -241,6 +244,7 @@ class Dispatcher:
         ``resume``: ``conversation`` is an OpenAI chat or completions stream whose answer
         another replica may continue if this one drops it (mid-stream failover).
         """
+        await self.admit(target)
         slot = target.slot.name
         key: str | None = None
         if conversation is not None and target.slot.pool.keyed:
@@ -260,6 +264,27 @@ class Dispatcher:
             key_ids=key_ids,
             resume=conversation if resume else None,
         )
+
+    async def admit(self, target: UpstreamTarget) -> None:
+        """The caller's key may use ``target`` now (``models/limits.py``): else the
+        dialect's unknown-model answer, or a 429. Free for a key without limits."""
+        gate = CALLER.get().gate
+        if gate is None:
+            return
+        slot = target.slot
+        if gate.limits.models is not None and not any(
+            slot.lookup(name) == target.model for name in gate.limits.models
+        ):
+            raise ModelNotFound(target.model)
+        await gate.admit()
+
+    def _may_use(self, gate: Gate, model: str) -> bool:
+        """Whether a name in ``gate``'s list names the local model ``model``."""
+        listed = gate.limits.models
+        if listed is None:
+            return True
+        found = (self.registry.find(name) for name in listed)
+        return any(spec is not None and spec.name == model for spec in found)
 
     def native(self, name: object, api: str) -> UpstreamTarget | None:
         """The upstream target for ``name`` when its slot speaks ``api`` itself
@@ -300,6 +325,7 @@ class Dispatcher:
         (with ``options``, or reloads with them when idle: see ``ModelRegistry.acquire``)."""
         target = self.upstream(name)
         if target is not None:
+            await self.admit(target)
             return SlotLease(
                 target.backend(),
                 target.slot.name,
@@ -309,6 +335,11 @@ class Dispatcher:
             )
         # In flight (queued) while the model loads: listed, and cancellable.
         spec = self.registry.resolve(name)
+        gate = CALLER.get().gate
+        if gate is not None:  # before the model loads: a refused request loads nothing
+            if not self._may_use(gate, spec.name):
+                raise ModelNotFound(name or spec.name)
+            await gate.admit()
         waiting = Waiting(spec.name, self.metrics.clock)
         self.flights.track(waiting, spec.name)
         try:

@@ -29,6 +29,7 @@ from typing import Any, Protocol, TypeVar
 
 from sluice.core.errors import RequestCancelled, SluiceError
 from sluice.core.interrupt import Interrupt
+from sluice.models.limits import Gate
 
 
 class Meter(Protocol):
@@ -81,6 +82,7 @@ class Caller:
 
     key: str = ""
     dialect: str = "internal"
+    gate: Gate | None = None  # its key's limits, when the key has any (models/limits.py)
 
 
 CALLER: ContextVar[Caller] = ContextVar("sluice_caller", default=Caller())  # noqa: B039 - frozen

@@ -10,6 +10,10 @@ Sources, merged (a name or a key given twice, in one source or across them, is a
     [keys]
     alice = "sk-alice-1"              # the key itself
     bob = { env = "BOB_KEY" }         # read from this environment variable
+    ci = { key = "sk-ci-key-0001", rpm = 60, max_streams = 4, models = ["qwen"] }
+
+A table entry may carry limits (``rpm``, ``tpm``, ``max_streams``, ``token_budget`` with
+``budget_period``, ``models``): ``models/limits.py`` says how each is counted.
 
 Rules: a name is 1-64 of ``A-Z a-z 0-9 _ . -`` (it becomes a log word and a
 metric label); a key is at least :data:`MIN_KEY_LENGTH` printable ASCII
@@ -36,6 +40,7 @@ import logging
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl
@@ -47,6 +52,7 @@ from starlette.types import Receive, Scope, Send
 from sluice.config import Settings
 from sluice.config.file import ConfigError, ConfigFile, describe_value
 from sluice.core.errors import AuthenticationFailed, PermissionDenied, SluiceError
+from sluice.models.limits import LIMIT_FIELDS, KeyLimits, parse_limits
 from sluice.server.sse import error_response
 
 log = logging.getLogger("sluice.api")
@@ -85,6 +91,7 @@ class ApiKeys:
     ) -> None:
         self._entries = _checked((source, name, key, MIN_KEY_LENGTH) for name, key in keys.items())
         self._admins = _admins(self.names, admins)
+        self.limits: dict[str, KeyLimits] = {}  # by name: the keys that have limits
 
     @classmethod
     def from_settings(
@@ -116,11 +123,15 @@ class ApiKeys:
         if config is not None:
             file = config.path
             table = config_keys(file, config.table("keys"), env)
-            found += [(f"{file} [keys]", n, k, MIN_KEY_LENGTH) for n, (k, _) in table.items()]
-            admins += [n for n, (_, role) in table.items() if role == ADMIN]
+            found += [(f"{file} [keys]", n, e.key, MIN_KEY_LENGTH) for n, e in table.items()]
+            admins += [n for n, e in table.items() if e.role == ADMIN]
+            limits = {n: e.limits for n, e in table.items() if e.limits}
+        else:
+            limits = {}
         keys = cls({})
         keys._entries = _checked(found)
         keys._admins = _admins(keys.names, admins)
+        keys.limits = limits
         return keys
 
     @property
@@ -178,27 +189,40 @@ def parse_env_keys(raw: str) -> dict[str, str]:
     return keys
 
 
-_ENTRY = 'a string, { key = "..." } or { env = "VARIABLE" } (either with role = "admin")'
+_ENTRY = (
+    'a string, { key = "..." } or { env = "VARIABLE" } (either with role = "admin" and '
+    "limits: " + ", ".join(LIMIT_FIELDS) + ")"
+)
 
 
-def config_keys(file: Path, table: Any, env: Mapping[str, str]) -> dict[str, tuple[str, str]]:
-    """The config file's ``[keys]`` table, as ``{name: (key, role)}``: ``name = "key"``,
-    or a table with the key (``key = "..."``) or where to read it (``env = "VAR"``) and
-    optionally ``role = "admin" | "user"`` (default user; a key named admin is admin)."""
+@dataclass(frozen=True, slots=True)
+class KeyEntry:
+    """One ``[keys]`` entry: the key, its role and its limits."""
+
+    key: str
+    role: str = USER
+    limits: KeyLimits = field(default_factory=KeyLimits)
+
+
+def config_keys(file: Path, table: Any, env: Mapping[str, str]) -> dict[str, KeyEntry]:
+    """The config file's ``[keys]`` table: ``name = "key"``, or a table with the key
+    (``key = "..."``) or where to read it (``env = "VAR"``), optionally ``role = "admin" |
+    "user"`` (default user; a key named admin is admin) and limits (``models/limits.py``)."""
     if table is None:
         return {}
     if not isinstance(table, dict):
         raise ConfigError(f"{file}: 'keys' must be a table ([keys]), not {_kind(table)}")
     source = f"{file} [keys]"
-    keys: dict[str, tuple[str, str]] = {}
+    keys: dict[str, KeyEntry] = {}
     for name, value in table.items():
         _check_name(source, name)
         role = ADMIN if name == ADMIN else USER
+        limits = KeyLimits()
         if isinstance(value, dict):
             role = value.get("role", role)
             if role not in ROLES:
                 raise ConfigError(f"{source}: {name!r} has role {role!r}: admin or user")
-            given = set(value) - {"role"}
+            given = set(value) - {"role", *LIMIT_FIELDS}
             if given == {"key"} and isinstance(value["key"], str):
                 key = value["key"]
                 _check_key(source, name, key)
@@ -212,12 +236,13 @@ def config_keys(file: Path, table: Any, env: Mapping[str, str]) -> dict[str, tup
                 _check_key(f"{source} ({name!r} from ${var})", name, key)
             else:
                 raise ConfigError(f"{source}: {name!r} must be {_ENTRY}")
+            limits = parse_limits(source, name, value)
         elif isinstance(value, str):
             key = value
             _check_key(source, name, key)
         else:
             raise ConfigError(f"{source}: {name!r} must be {_ENTRY}, not {_kind(value)}")
-        keys[name] = (key, role)
+        keys[name] = KeyEntry(key, role, limits)
     return keys
 
 

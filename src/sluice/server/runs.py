@@ -29,6 +29,8 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from sluice.models.flights import CALLER
+
 log = logging.getLogger("sluice.api")
 
 
@@ -129,6 +131,10 @@ class Runs:
         ``state``: the dialect's, kept with the run (``run.state``)."""
         run = Run(run_id, owner, background, grace, state)
         self._runs[run_id] = run
+        # The run outlives its request: it holds the key's place among its streams.
+        gate = CALLER.get().gate
+        if gate is not None:
+            gate.hold()
 
         async def main() -> None:
             try:
@@ -138,6 +144,8 @@ class Runs:
             except Exception:
                 log.exception("response %s failed", run_id)
             finally:
+                if gate is not None:
+                    gate.release()
                 run.finish()
                 if not self._closing:
                     asyncio.get_running_loop().call_later(grace, self._runs.pop, run_id, None)

@@ -80,6 +80,7 @@ async def embeddings(request: Request) -> Response:
     if target is not None:  # the upstream's answer, its bytes unchanged
         data["model"] = target.model
         raw = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
+        await state.dispatcher.admit(target)
         answer = await target.backend().passthrough("/embeddings", raw, None)
         return await forward(
             request, state.settings, answer, failure_frame=error_frame, render_error=error_response

@@ -116,6 +116,7 @@ async def media(request: Request) -> Response:
             raw = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
         content_type = "application/json"
     headers["content-type"] = content_type
+    await state.dispatcher.admit(target)
     answer = await target.backend().passthrough(path, raw, headers)
     return await forward(
         request, state.settings, answer, failure_frame=error_frame, render_error=error_response
