@@ -30,7 +30,6 @@ from sluice.server.state import ServerState, server_state
 from sluice.upstream.backend import UpstreamSlot, upstream_context
 
 TEXT = {"input": ["text"], "output": ["text"]}
-VISION = {"input": ["text", "image"], "output": ["text"]}
 
 
 def _version() -> str:
@@ -54,9 +53,10 @@ def _local(
         "family": file.info.architecture if file is not None else None,
         "backend": {"type": "local", "slot": spec.name, "origin": spec.origin},
         "context_window": window,
-        "modalities": VISION if file is not None and file.vision else TEXT,
+        "modalities": {"input": list(file.inputs), "output": ["text"]} if file else TEXT,
         "capabilities": {
             "vision": file is not None and file.vision,
+            "audio": file is not None and file.audio,
             "chat": template is not None,
             "completions": True,
             "streaming": True,

@@ -7,6 +7,10 @@ and a map from its patches into the text model's embedding space. Here:
   decoded image into what its prompt holds: text tokens the projector wraps it in
   (Gemma 3's ``<start_of_image>``) and the image's own rows, as an :class:`ImageChunk`
   (``mtmd_tokenize_from_parts``: no marker is parsed out of any text);
+* a clip (:class:`~sluice.core.media.Sound`, for a projector with an audio encoder:
+  ``Projector.audio``) is resampled to the encoder's rate and tokenized the same way,
+  into one chunk per encoder window (30 s for Whisper-style encoders), each decoded
+  like an image's rows;
 * :meth:`Projector.encode` runs the encoder over one chunk: its ``n x n_embd``
   embeddings, which the runner decodes as an embedding batch on the request's own
   sequence, within the continuous batch. It runs on the worker thread that prepares
@@ -37,11 +41,11 @@ from typing import Any
 import numpy as np
 
 from sluice.core.errors import InvalidRequest, ModelLoadFailed
-from sluice.core.media import Picture
+from sluice.core.media import Picture, Sound, resample
 
 log = logging.getLogger("sluice.llama")
 
-_TEXT, _IMAGE = 0, 1  # mtmd_input_chunk_type
+_TEXT, _IMAGE, _AUDIO = 0, 1, 2  # mtmd_input_chunk_type
 KEEP_BYTES = 64 * 2**20  # encoded images kept for a repeat
 
 
@@ -61,7 +65,8 @@ class _Chunks:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class ImageChunk:
-    """One image's rows, as the projector tokenized it (kept alive by ``owner``)."""
+    """One image's rows (or one piece of a clip's: an audio encoder takes 30 s at a
+    time), as the projector tokenized it (kept alive by ``owner``)."""
 
     n: int  # rows (tokens) it takes in the prompt
     non_causal: bool  # decoded with attention both ways among its rows
@@ -81,6 +86,7 @@ class Projector:
         self.n_embd = n_embd  # the text model's embedding width: an image row's
         self.vision = bool(M.mtmd_support_vision(ctx))
         self.audio = bool(M.mtmd_support_audio(ctx))
+        self.sample_rate = int(M.mtmd_get_audio_sample_rate(ctx)) if self.audio else 0
         self._lock = threading.Lock()  # the encoder's output buffer is the context's own
         self._kept: OrderedDict[bytes, np.ndarray] = OrderedDict()  # digest -> rows
         self._kept_bytes = 0
@@ -115,15 +121,24 @@ class Projector:
         n_embd = int(llama_cpp.llama_model_n_embd(model))
         return cls(M, ctx, str(file), file.stat().st_size, n_embd)
 
-    def pieces(self, picture: Picture, where: str) -> list[list[int] | ImageChunk]:
-        """The prompt's pieces for one image: text tokens and the image's chunk."""
+    def pieces(self, picture: Picture | Sound, where: str) -> list[list[int] | ImageChunk]:
+        """The prompt's pieces for one image or clip: text tokens and its chunks."""
         M = self._M
-        if not self.vision:
-            raise InvalidRequest(f"{where}: this model's projector takes no images", param=where)
-        data = (ctypes.c_uint8 * len(picture.rgb)).from_buffer_copy(picture.rgb)
-        bitmap = M.mtmd_bitmap_init(picture.width, picture.height, data)
+        if isinstance(picture, Sound):
+            if not self.audio:
+                raise InvalidRequest(f"{where}: this model's projector takes no audio", param=where)
+            samples = resample(picture, self.sample_rate)  # the encoder's rate (16 kHz)
+            pcm = samples.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+            bitmap = M.mtmd_bitmap_init_from_audio(len(samples), pcm)
+        else:
+            if not self.vision:
+                raise InvalidRequest(
+                    f"{where}: this model's projector takes no images", param=where
+                )
+            data = (ctypes.c_uint8 * len(picture.rgb)).from_buffer_copy(picture.rgb)
+            bitmap = M.mtmd_bitmap_init(picture.width, picture.height, data)
         if not bitmap:
-            raise InvalidRequest(f"{where}: the projector could not take this image", param=where)
+            raise InvalidRequest(f"{where}: the projector could not take this input", param=where)
         chunks = M.mtmd_input_chunks_init()
         try:
             M.mtmd_bitmap_set_id(bitmap, picture.digest.hex().encode())
@@ -137,7 +152,7 @@ class Projector:
         owner = _Chunks(M, chunks)
         if rc != 0:
             raise InvalidRequest(
-                f"{where}: the projector could not read this image (mtmd_tokenize: {rc})",
+                f"{where}: the projector could not read this input (mtmd_tokenize: {rc})",
                 param=where,
             )
         out: list[list[int] | ImageChunk] = []
@@ -148,13 +163,13 @@ class Projector:
                 n = ctypes.c_size_t(0)
                 tokens = M.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(n))
                 out.append([int(tokens[j]) for j in range(n.value)])
-            elif kind == _IMAGE:
+            elif kind in (_IMAGE, _AUDIO):
                 n_tokens = int(M.mtmd_input_chunk_get_n_tokens(chunk))
                 non_causal = bool(M.mtmd_decode_use_non_causal(self._ctx, chunk))
                 digest = picture.digest + i.to_bytes(2, "big")
                 out.append(ImageChunk(n_tokens, non_causal, chunk, owner, digest))
             else:
-                raise InvalidRequest(f"{where}: not an image to this projector", param=where)
+                raise InvalidRequest(f"{where}: not an input this projector takes", param=where)
         return out
 
     def encode(self, chunk: ImageChunk) -> np.ndarray:

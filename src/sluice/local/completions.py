@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from sluice.core.backend import StreamMeta
 from sluice.core.errors import EngineFailure, InvalidRequest
 from sluice.core.events import Event
-from sluice.core.media import Picture
+from sluice.core.media import Picture, Sound
 from sluice.core.request import (
     LLAMA_CPP_SAMPLING,
     GenerationRequest,
@@ -33,7 +33,7 @@ from sluice.engine.reasoning import ReasoningLimit
 from sluice.engine.types import EngineRequest, MediaSpan
 from sluice.grammar.build import after_reasoning
 from sluice.local.budget import ReasoningBudgets
-from sluice.local.media import has_images, pictures, take_images, tokens_with_images
+from sluice.local.media import has_audio, has_images, pictures, take_images, tokens_with_images
 from sluice.local.parsing import parse_stream
 from sluice.local.plan import OutputPlan, ToolLimits
 from sluice.local.prompt import ControlTextGuard
@@ -115,9 +115,16 @@ class CompletionService:
             extra.setdefault("thinking", False)
         # Everything the request put into the prompt is text, never control tokens.
         messages = self.guard.escape(messages)
-        images: list[Picture] = []
-        if has_images(messages):
-            if getattr(self.runner, "projector", None) is None:
+        images: list[Picture | Sound] = []
+        projector = getattr(self.runner, "projector", None)
+        if has_audio(messages) and not getattr(projector, "audio", False):
+            raise InvalidRequest(
+                f"The model '{self.name}' does not accept audio (its projector, if it has "
+                "one, has no audio encoder).",
+                param="messages",
+            )
+        if has_images(messages) or has_audio(messages):
+            if projector is None:
                 raise InvalidRequest(
                     f"The model '{self.name}' has no vision projector: it cannot take "
                     "images. Send text, or give the model its projector (mmproj).",
@@ -306,7 +313,7 @@ class CompletionService:
         return self.guard.tokenize(text, self.runner.tokenize, add_special=self._add_bos(text))
 
     def _tokenize_with_images(
-        self, text: str, images: list[Picture]
+        self, text: str, images: list[Picture | Sound]
     ) -> tuple[list[int], tuple[MediaSpan, ...]]:
         add_bos = self._add_bos(text)
         runner = self.runner

@@ -1,13 +1,15 @@
-"""Images in a chat for a local model: out of the messages, into the prompt's tokens.
+"""Images and audio in a chat for a local model: out of the messages, into the prompt's tokens.
 
 Every dialect hands a local model OpenAI-shaped messages whose content may be a list of
-parts, ``text`` and ``image_url``. Before the template renders them:
+parts, ``text``, ``image_url`` and (OpenAI chat) ``input_audio``. Before the template
+renders them:
 
 1. :func:`take_images` writes each image part as :data:`IMAGE_MARK` in its message's
    text (after the control-text guard escaped the request's own text, so no input can
    write the mark) and returns the images' sources in order;
 2. :func:`pictures` reads each source (a ``data:`` URI; an http(s) URL was fetched into
-   one before, ``LocalModel.open``) and decodes it (``core.media``);
+   one before, ``LocalModel.open``; a clip's base64 is made one) and decodes it as its
+   own bytes say, an image or a WAV clip (``core.media``);
 3. :func:`tokens_with_images` tokenizes the rendered prompt piece by piece between the
    marks, and puts each image's projector pieces where its mark was: the text the
    projector wraps it in, and its rows as placeholders (negative ids drawn from the
@@ -21,7 +23,15 @@ from collections.abc import Callable
 from typing import Any
 
 from sluice.core.errors import InvalidRequest
-from sluice.core.media import MAX_IMAGES, Picture, data_uri_bytes, decode_image
+from sluice.core.media import (
+    MAX_IMAGES,
+    Picture,
+    Sound,
+    data_uri_bytes,
+    decode_audio,
+    decode_image,
+    media_kind,
+)
 from sluice.engine.types import MediaSpan
 
 IMAGE_MARK = "\ue000\ue0ff"  # U+E000 typed by a client is escaped by the guard first
@@ -31,9 +41,18 @@ ImageSource = tuple[str, str]  # (url, where in the request)
 
 def has_images(messages: list[dict[str, Any]] | None) -> bool:
     """Whether any message holds an image part."""
+    return _has_part(messages, "image_url")
+
+
+def has_audio(messages: list[dict[str, Any]] | None) -> bool:
+    """Whether any message holds an audio part (``input_audio``)."""
+    return _has_part(messages, "input_audio")
+
+
+def _has_part(messages: list[dict[str, Any]] | None, kind: str) -> bool:
     return any(
         isinstance(m.get("content"), list)
-        and any(isinstance(p, dict) and p.get("type") == "image_url" for p in m["content"])
+        and any(isinstance(p, dict) and p.get("type") == kind for p in m["content"])
         for m in messages or ()
     )
 
@@ -63,6 +82,9 @@ def take_images(
                     raise InvalidRequest(f"{where}.image_url.url is missing", param=where)
                 sources.append((url, f"{where}.image_url"))
                 text.append(IMAGE_MARK)
+            elif kind == "input_audio":
+                sources.append((_audio_uri(part.get("input_audio"), where), f"{where}.input_audio"))
+                text.append(IMAGE_MARK)
             else:
                 raise InvalidRequest(
                     f"{where}: parts of type '{kind}' are not supported", param=where
@@ -76,19 +98,33 @@ def take_images(
     return out, sources
 
 
-def pictures(sources: list[ImageSource]) -> list[Picture]:
-    """Each source read and decoded (a 400 naming the part for anything wrong)."""
-    out = []
+def _audio_uri(audio: object, where: str) -> str:
+    """An ``input_audio`` part's ``{"data": <base64>, "format": ...}`` as a ``data:`` URI
+    (its format is read from its bytes later, not from ``format``)."""
+    data = audio.get("data") if isinstance(audio, dict) else None
+    if not isinstance(data, str) or not data:
+        raise InvalidRequest(f"{where}.input_audio.data is missing", param=where)
+    return f"data:audio/wav;base64,{data}"
+
+
+def pictures(sources: list[ImageSource]) -> list[Picture | Sound]:
+    """Each source read and decoded, an image or a clip as its bytes say (a 400 naming
+    the part for anything wrong)."""
+    out: list[Picture | Sound] = []
     for url, where in sources:
         if not url.startswith("data:"):
             raise InvalidRequest(
                 f"{where}: only data: URIs and http(s) URLs are taken", param=where
             )
-        out.append(decode_image(data_uri_bytes(url, where), where))
+        data = data_uri_bytes(url, where)
+        if where.endswith(".input_audio") or media_kind(data) == "audio":
+            out.append(decode_audio(data, where))
+        else:
+            out.append(decode_image(data, where))
     return out
 
 
-def placeholders(picture: Picture, n: int) -> list[int]:
+def placeholders(picture: Picture | Sound, n: int) -> list[int]:
     """``n`` negative ids that only this image's rows have (``n`` < 4096)."""
     base = int.from_bytes(picture.digest[:6], "big") << 12
     return [-(base + k + 1) for k in range(n)]
@@ -96,9 +132,9 @@ def placeholders(picture: Picture, n: int) -> list[int]:
 
 def tokens_with_images(
     rendered: str,
-    images: list[Picture],
+    images: list[Picture | Sound],
     tokenize: Callable[[str, bool], list[int]],
-    pieces: Callable[[Picture, str], list[Any]],
+    pieces: Callable[[Picture | Sound, str], list[Any]],
     *,
     bos: list[int],
     max_rows: int,

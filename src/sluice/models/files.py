@@ -23,7 +23,13 @@ from sluice.core.errors import ModelLoadFailed, SluiceError
 from sluice.core.model import ModelSpec
 from sluice.local.templates import ChatTemplate, read_template
 from sluice.models.catalog import projector_of, resolve_source
-from sluice.models.gguf import GgufError, GgufInfo, read_gguf_info, replay_info
+from sluice.models.gguf import (
+    GgufError,
+    GgufInfo,
+    projector_inputs,
+    read_gguf_info,
+    replay_info,
+)
 from sluice.parsers.families import format_for
 from sluice.parsers.registry import detect_reasoning
 
@@ -39,10 +45,15 @@ class ModelFile:
     template: str | None  # an override file's (config or --chat-template), else the GGUF's
     supports_tools: bool
     projector: str | None = None  # its projector file: the model sees images
+    inputs: tuple[str, ...] = ("text",)  # and "image", "audio": what its projector takes
 
     @property
     def vision(self) -> bool:
-        return self.projector is not None
+        return "image" in self.inputs
+
+    @property
+    def audio(self) -> bool:
+        return "audio" in self.inputs
 
 
 def read_model_file(spec: ModelSpec, settings: Settings) -> ModelFile:
@@ -61,14 +72,19 @@ def read_model_file(spec: ModelSpec, settings: Settings) -> ModelFile:
         raise ModelLoadFailed(f"Cannot read model '{spec.name}': {message}") from exc
     override = spec.chat_template or settings.chat_template
     projector = projector_of(replace(spec, source=str(path)), settings)
+    inputs = ("text", *(projector_inputs(projector) if projector else ()))
     if override is None:
-        return ModelFile(info, publisher, info.chat_template, info.supports_tools, projector)
+        return ModelFile(
+            info, publisher, info.chat_template, info.supports_tools, projector, inputs
+        )
     try:
         template = read_template(override)
     except (OSError, SluiceError) as exc:  # loading will say so; the listing shows the GGUF's
         log.warning("cannot read chat template %s: %s", override, exc)
-        return ModelFile(info, publisher, info.chat_template, info.supports_tools, projector)
-    return ModelFile(info, publisher, template, "tools" in template, projector)
+        return ModelFile(
+            info, publisher, info.chat_template, info.supports_tools, projector, inputs
+        )
+    return ModelFile(info, publisher, template, "tools" in template, projector, inputs)
 
 
 def _replay_file(spec: ModelSpec, settings: Settings) -> ModelFile:

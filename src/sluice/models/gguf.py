@@ -278,6 +278,26 @@ def read_gguf_info(path: str | os.PathLike[str]) -> GgufInfo:
     return _read_cached(str(p), stamps)
 
 
+def projector_inputs(path: str | os.PathLike[str]) -> tuple[str, ...]:
+    """What a projector (mmproj) GGUF takes besides text: ``"image"`` (a vision
+    encoder) and ``"audio"`` (an audio encoder), by its ``clip.has_*_encoder`` keys; an
+    unreadable file takes nothing. Cached until the file changes."""
+    p = Path(os.path.abspath(Path(path).expanduser()))
+    try:
+        return _projector_inputs(str(p), _stamp(p))
+    except (GgufError, OSError):
+        return ()
+
+
+@functools.lru_cache(maxsize=64)
+def _projector_inputs(path: str, _stamp: tuple[int, int] | None) -> tuple[str, ...]:
+    metadata = _read_header(Path(path)).metadata
+    # Files from before the keys: a vision projector (audio came with the keys).
+    vision = metadata.get("clip.has_vision_encoder", "clip.has_audio_encoder" not in metadata)
+    audio = metadata.get("clip.has_audio_encoder", False)
+    return tuple(k for k, on in (("image", vision), ("audio", audio)) if on is True)
+
+
 def _stamp(path: Path) -> tuple[int, int] | None:
     try:
         st = path.stat()

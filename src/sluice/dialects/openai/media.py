@@ -5,8 +5,15 @@
 model in their JSON body or multipart form; a model of an upstream slot gets the
 request as it came (only ``model`` renamed to the upstream's name, a form re-encoded
 then), behind the same keys, and its answer's bytes come back unchanged. A local
-model serves none of them: a 400 that says what it does not serve; an unknown model
-is a 404.
+model serves none of them but one: a 400 that says what it does not serve; an unknown
+model is a 404.
+
+``/v1/audio/transcriptions`` on a local model whose projector has an audio encoder is
+answered by the model itself (:func:`transcribe`): OpenAI's form (``file`` a WAV clip,
+``model``, ``prompt``, ``language``, ``temperature``, ``response_format`` ``json``,
+``text``, ``verbose_json``, ``srt`` or ``vtt``) as one chat turn that asks for the
+transcript, the clip an ``input_audio`` part. There are no timestamps:
+``verbose_json``, ``srt`` and ``vtt`` give one segment spanning the clip.
 
 Example::
 
@@ -15,6 +22,7 @@ Example::
 
 from __future__ import annotations
 
+import base64
 import json
 from typing import Any
 
@@ -23,7 +31,10 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.responses import Response
 
-from sluice.core.errors import InvalidRequest, ModelNotFound
+from sluice.core.errors import InvalidRequest, ModelNotFound, UnsupportedParameter
+from sluice.core.fold import Fold
+from sluice.core.media import decode_audio
+from sluice.core.request import GenerationRequest, SamplingParams
 from sluice.server.body import read_request_body
 from sluice.server.jsonbody import parse_json_body
 from sluice.server.respond import CLIENT_GONE, errors_as, forward
@@ -97,6 +108,8 @@ async def media(request: Request) -> Response:
     headers = {"accept": request.headers.get("accept") or "*/*"}
     if content_type.startswith("multipart/form-data"):
         model, fields, files = await _multipart(raw, request)
+        if path == "/audio/transcriptions" and _local(state, model):
+            return await transcribe(state, str(model), fields, files)
         target = _target(state, model, path)
         if model != target.model:  # an alias: the form again, with the upstream's name
             form: dict[str, list[str]] = {}
@@ -120,4 +133,96 @@ async def media(request: Request) -> Response:
     answer = await target.backend().passthrough(path, raw, headers)
     return await forward(
         request, state.settings, answer, failure_frame=error_frame, render_error=error_response
+    )
+
+
+# -- transcriptions on a local model ------------------------------------------------------
+
+FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
+ASK = "Transcribe this audio word for word. Answer with the transcript alone."
+FormFile = tuple[str, tuple[str | None, bytes, str | None]]
+
+
+def _local(state: ServerState, model: object) -> bool:
+    """``model`` names a local model (not an upstream's)."""
+    return isinstance(model, str) and bool(model) and state.dispatcher.upstream(model) is None
+
+
+async def transcribe(
+    state: ServerState, model: str, fields: list[tuple[str, str]], files: list[FormFile]
+) -> Response:
+    """OpenAI's transcription, answered by a local model that hears (a 400 from the
+    model for one that does not)."""
+    form = dict(fields)
+    clip = next((data for key, (_name, data, _type) in files if key == "file"), None)
+    if clip is None:
+        raise InvalidRequest("'file' is required: the audio to transcribe", param="file")
+    fmt = form.get("response_format") or "json"
+    if fmt not in FORMATS:
+        raise InvalidRequest(
+            f"'response_format' must be one of {', '.join(FORMATS)}", param="response_format"
+        )
+    if form.get("stream", "false").lower() not in ("false", "0", ""):
+        raise UnsupportedParameter("stream", "is not supported for a local model's transcription")
+    try:
+        temperature = float(form.get("temperature") or 0)
+    except ValueError:
+        raise InvalidRequest("'temperature' must be a number", param="temperature") from None
+    if not 0 <= temperature <= 1:
+        raise InvalidRequest("'temperature' must be between 0 and 1", param="temperature")
+    sound = await state.offload.run(lambda: decode_audio(clip, "file"))  # a 400 before a load
+    ask = ASK
+    if form.get("language"):
+        ask += f" It is in the language '{form['language'][:32]}'."
+    if form.get("prompt"):
+        ask += f" What came before it: {form['prompt'][:2000]}"
+    content = [
+        {"type": "text", "text": ask},
+        {"type": "input_audio", "input_audio": {"data": base64.b64encode(clip).decode()}},
+    ]
+    neutral = GenerationRequest(
+        model=model,
+        messages=[{"role": "user", "content": content}],
+        sampling=SamplingParams(temperature=temperature),
+    )
+    lease, stream = await state.dispatcher.open(neutral)
+    try:
+        acc = Fold(stream.meta.prompt_owners)
+        async for event in stream:
+            acc.add(event)
+    finally:
+        await lease.close(stream)
+    choices = acc.result().ordered()
+    text = choices[0][1].content.strip() if choices else ""
+    return _transcript(fmt, text, sound.seconds, form.get("language"))
+
+
+def _transcript(fmt: str, text: str, seconds: float, language: str | None) -> Response:
+    """The transcript in the ``response_format`` asked for."""
+    if fmt == "json":
+        return Response(json.dumps({"text": text}), media_type="application/json")
+    if fmt == "text":
+        return Response(text + "\n", media_type="text/plain; charset=utf-8")
+    if fmt == "verbose_json":
+        segment = {"id": 0, "seek": 0, "start": 0.0, "end": round(seconds, 3), "text": text}
+        body = {
+            "task": "transcribe",
+            "language": language or "unknown",
+            "duration": round(seconds, 3),
+            "text": text,
+            "segments": [segment],
+        }
+        return Response(json.dumps(body), media_type="application/json")
+    if fmt == "srt":
+        cue = f"00:00:00,000 --> {_clock(seconds, ',')}"
+        return Response(f"1\n{cue}\n{text}\n\n", media_type="text/plain; charset=utf-8")
+    cue = f"00:00:00.000 --> {_clock(seconds, '.')}"
+    return Response(f"WEBVTT\n\n{cue}\n{text}\n\n", media_type="text/vtt; charset=utf-8")
+
+
+def _clock(seconds: float, comma: str) -> str:
+    """``seconds`` as ``HH:MM:SS,mmm`` (SubRip) or ``HH:MM:SS.mmm`` (WebVTT)."""
+    ms = round(seconds * 1000)
+    return (
+        f"{ms // 3_600_000:02d}:{ms // 60_000 % 60:02d}:{ms // 1000 % 60:02d}{comma}{ms % 1000:03d}"
     )

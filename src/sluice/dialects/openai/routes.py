@@ -28,6 +28,7 @@ from sluice.models import catalog
 from sluice.models.dispatch import UpstreamTarget
 from sluice.models.entries import ModelStatus
 from sluice.models.flights import identify
+from sluice.models.gguf import projector_inputs
 from sluice.server.body import read_request_body
 from sluice.server.jsonbody import (
     BodyLimits,
@@ -212,8 +213,9 @@ def _model_entry(state: ServerState, spec: ModelSpec, status: ModelStatus) -> di
     }
     if spec.aliases:
         entry["aliases"] = list(spec.aliases)
-    if spec.replay is None and catalog.projector_of(spec, state.settings) is not None:
-        entry["modalities"] = {"input": ["text", "image"], "output": ["text"]}
+    projector = catalog.projector_of(spec, state.settings) if spec.replay is None else None
+    if projector is not None:  # what it takes besides text (its header, read once)
+        entry["modalities"] = {"input": ["text", *projector_inputs(projector)], "output": ["text"]}
     model = state.registry.get_loaded(status.name)
     if isinstance(model, LocalModel):
         entry["meta"] = model.card()

@@ -62,6 +62,7 @@ class ContentPart(_Wire):
     type: str
     text: str | None = None
     image_url: dict[str, Any] | str | None = None  # {"url": ..., "detail": ...}
+    input_audio: dict[str, Any] | None = None  # {"data": <base64>, "format": "wav"}
 
 
 class ChatMessage(_Wire):
@@ -274,14 +275,23 @@ def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
                         param=f"messages[{index}].content[{j}].image_url",
                     )
                 parts.append({"type": "image_url", "image_url": {"url": url}})
+            elif part.type == "input_audio" and part.input_audio is not None:
+                data = part.input_audio.get("data")
+                if not isinstance(data, str) or not data:
+                    raise InvalidRequest(
+                        f"messages[{index}].content[{j}].input_audio.data must be base64 text",
+                        param=f"messages[{index}].content[{j}].input_audio",
+                    )
+                audio = {"data": data, "format": part.input_audio.get("format")}
+                parts.append({"type": "input_audio", "input_audio": audio})
             elif part.type == "text" and part.text is not None:
                 parts.append({"type": "text", "text": part.text})
             else:
                 raise UnsupportedParameter(
                     f"messages[{index}].content", f"parts of type '{part.type}' are not supported"
                 )
-        # Text alone is one string, as templates expect; with an image, the parts.
-        if any(p["type"] == "image_url" for p in parts):
+        # Text alone is one string, as templates expect; with an image or a clip, the parts.
+        if any(p["type"] != "text" for p in parts):
             content = parts
         else:
             content = "".join(p["text"] for p in parts)
