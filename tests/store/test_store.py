@@ -1,4 +1,7 @@
-"""The conversation store: CRUD, ownership, pagination, branching, durability, the writer thread."""
+"""The conversation store: CRUD, ownership, pagination, branching, durability, the writer.
+
+Each test taking ``store`` or ``backend`` runs on SQLite and on PostgreSQL (conftest.py).
+"""
 
 from __future__ import annotations
 
@@ -13,7 +16,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +32,7 @@ from sluice.store import (
     StoreFailed,
     UnknownConversation,
 )
-
-
-@pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[SQLiteStore]:
-    opened = await SQLiteStore.open(tmp_path / "sub" / "conversations.db")
-    yield opened
-    await opened.close()
+from tests.store.conftest import Backend, Store
 
 
 def user(text: Any, **fields: Any) -> NewMessage:
@@ -47,7 +43,7 @@ def assistant(text: Any, **fields: Any) -> NewMessage:
     return NewMessage(role="assistant", content=text, **fields)
 
 
-async def test_crud_round_trips_every_field(store: SQLiteStore) -> None:
+async def test_crud_round_trips_every_field(store: Store) -> None:
     conv = await store.create_conversation(owner="alice", user_id="u1", model="smol")
     assert conv.id.startswith("conv_") and len(conv.id) == 5 + 24
     assert (conv.head_id, conv.message_count, conv.model) == (None, 0, "smol")
@@ -98,7 +94,7 @@ async def test_crud_round_trips_every_field(store: SQLiteStore) -> None:
     assert await store.delete_conversation(conv.id, owner="alice", user_id="u1") is False
 
 
-async def test_ownership_isolates_keys_and_users(store: SQLiteStore) -> None:
+async def test_ownership_isolates_keys_and_users(store: Store) -> None:
     mine = await store.create_conversation(owner="alice", user_id=None, model=None)
     alice_u1 = await store.create_conversation(owner="alice", user_id="u1", model=None)
     bob = await store.create_conversation(owner="bob", user_id=None, model=None)
@@ -132,7 +128,7 @@ async def test_ownership_isolates_keys_and_users(store: SQLiteStore) -> None:
     assert await store.get_conversation(alice_u1.id, owner="alice", user_id="u1") is not None
 
 
-async def test_pagination_newest_first(store: SQLiteStore) -> None:
+async def test_pagination_newest_first(store: Store) -> None:
     convs = [await store.create_conversation(owner="k", user_id=None, model=None) for _ in range(5)]
     await store.create_conversation(owner="other", user_id=None, model=None)
     ids = [c.id for c in reversed(convs)]
@@ -154,7 +150,7 @@ async def test_pagination_newest_first(store: SQLiteStore) -> None:
     assert (await page(10, 0))[0] == [convs[0].id, *ids[:4]]
 
 
-async def test_branches_and_paths(store: SQLiteStore) -> None:
+async def test_branches_and_paths(store: Store) -> None:
     conv = await store.create_conversation(owner="k", user_id=None, model=None)
     u1 = await store.add_message(conv.id, user("q1"))
     a1 = await store.add_message(conv.id, assistant("r1"))
@@ -196,7 +192,9 @@ async def test_branches_and_paths(store: SQLiteStore) -> None:
     assert (await store.get_message("resp_0123")) == chain[1]
 
 
-async def test_invalid_writes_are_refused_and_change_nothing(store: SQLiteStore) -> None:
+async def test_invalid_writes_are_refused_and_change_nothing(
+    store: Store, backend: Backend
+) -> None:
     conv = await store.create_conversation(owner="k", user_id=None, model=None)
     other = await store.create_conversation(owner="k", user_id=None, model=None)
     foreign = await store.add_message(other.id, user("elsewhere"))
@@ -215,9 +213,9 @@ async def test_invalid_writes_are_refused_and_change_nothing(store: SQLiteStore)
     # all or none: the bad second message takes the good first one with it
     with pytest.raises(InvalidParent):
         await store.add_messages(conv.id, [user("ok"), user("bad", parent_id="msg_missing")])
-    # a failing write batched with good ones fails alone: the store thread is held
+    # a failing write batched with good ones fails alone: the store's writer is held
     # busy first, so all three wait and go into one transaction
-    busy = asyncio.ensure_future(store._call(lambda conn: time.sleep(0.05), writes=True))
+    busy = asyncio.ensure_future(store._call(backend.hold(0.05), writes=True))
     await asyncio.sleep(0.01)
     results: tuple[Any, ...] = await asyncio.gather(
         store.add_message(conv.id, assistant("good 1")),
@@ -235,9 +233,8 @@ async def test_invalid_writes_are_refused_and_change_nothing(store: SQLiteStore)
     assert root.parent_id is None
 
 
-async def test_close_finishes_queued_writes_then_refuses(tmp_path: Path) -> None:
-    path = tmp_path / "c.db"
-    store = await SQLiteStore.open(path)
+async def test_close_finishes_queued_writes_then_refuses(backend: Backend) -> None:
+    store = await backend.open()
     conv = await store.create_conversation(owner="k", user_id=None, model=None)
     pending = [asyncio.ensure_future(store.add_message(conv.id, user(str(i)))) for i in range(50)]
     await asyncio.sleep(0)  # every write is queued before close
@@ -247,7 +244,7 @@ async def test_close_finishes_queued_writes_then_refuses(tmp_path: Path) -> None
         await store.add_message(conv.id, user("late"))
     await store.close()  # twice is fine
 
-    async with await SQLiteStore.open(path) as reopened:
+    async with await backend.open() as reopened:
         assert len(await reopened.messages(conv.id)) == 50
 
 
@@ -292,34 +289,30 @@ async def test_in_memory_store() -> None:
         assert await store.path(message.id) == [message]
 
 
-async def test_connection_pragmas(store: SQLiteStore) -> None:
+async def test_connection_pragmas(sqlite_store: SQLiteStore) -> None:
     def read(conn: sqlite3.Connection) -> tuple[Any, ...]:
         return tuple(
             conn.execute(f"PRAGMA {name}").fetchone()[0]
             for name in ("journal_mode", "synchronous", "foreign_keys")
         )
 
-    assert await store._call(read, writes=False) == ("wal", 2, 1)  # 2: FULL
+    assert await sqlite_store._call(read, writes=False) == ("wal", 2, 1)  # 2: FULL
 
 
-async def test_acknowledged_means_committed(store: SQLiteStore) -> None:
+async def test_acknowledged_means_committed(store: Store, backend: Backend) -> None:
     """Another connection sees each write the moment its caller is told it is done."""
     conv = await store.create_conversation(owner="k", user_id=None, model=None)
-    reader = sqlite3.connect(store.location)
-    try:
 
-        async def write(n: int) -> None:
-            for i in range(20):
-                message = await store.add_message(conv.id, user(f"{n}.{i}"))
-                found = reader.execute("SELECT 1 FROM messages WHERE id = ?", (message.id,))
-                assert found.fetchone() is not None
+    async def write(n: int) -> None:
+        for i in range(20 if backend.name == "sqlite" else 5):
+            message = await store.add_message(conv.id, user(f"{n}.{i}"))
+            found = backend.query("SELECT 1 FROM messages WHERE id = ?", (message.id,))
+            assert found
 
-        await asyncio.gather(*(write(n) for n in range(10)))
-    finally:
-        reader.close()
+    await asyncio.gather(*(write(n) for n in range(10)))
 
 
-async def test_concurrent_writers_keep_order_and_lose_nothing(store: SQLiteStore) -> None:
+async def test_concurrent_writers_keep_order_and_lose_nothing(store: Store) -> None:
     conv = await store.create_conversation(owner="k", user_id=None, model=None)
     called: list[str] = []
 
@@ -342,7 +335,7 @@ async def test_concurrent_writers_keep_order_and_lose_nothing(store: SQLiteStore
 
 
 @pytest.mark.perf  # the longest gap between 2 ms ticks under 0.1 s
-async def test_event_loop_keeps_running_during_slow_writes(store: SQLiteStore) -> None:
+async def test_event_loop_keeps_running_during_slow_writes(store: Store, backend: Backend) -> None:
     conv = await store.create_conversation(owner="k", user_id=None, model=None)
     ticks: list[float] = []
     stop = asyncio.Event()
@@ -352,14 +345,11 @@ async def test_event_loop_keeps_running_during_slow_writes(store: SQLiteStore) -
             ticks.append(time.perf_counter())
             await asyncio.sleep(0.002)
 
-    def slow(conn: sqlite3.Connection) -> None:
-        time.sleep(0.3)  # a write stuck on a slow disk
-
     task = asyncio.create_task(ticker())
     await asyncio.sleep(0.01)
     start = time.perf_counter()
     writes = [store.add_message(conv.id, user(str(i))) for i in range(250)]
-    writes.append(store._call(slow, writes=True))
+    writes.append(store._call(backend.hold(0.3), writes=True))  # a write stuck on a slow disk
     writes.extend(store.add_message(conv.id, user(str(i))) for i in range(250, 500))
     await asyncio.gather(*writes)
     elapsed = time.perf_counter() - start
@@ -377,10 +367,10 @@ async def test_event_loop_keeps_running_during_slow_writes(store: SQLiteStore) -
 _CHILD = textwrap.dedent(
     """
     import asyncio, sys
-    from sluice.store import NewMessage, SQLiteStore
+    from sluice.store import NewMessage, open_store
 
     async def main() -> None:
-        store = await SQLiteStore.open(sys.argv[1])
+        store = await open_store(sys.argv[1])
         conv = await store.create_conversation(owner="k", user_id=None, model=None)
         print("acked", conv.id, flush=True)
 
@@ -398,10 +388,10 @@ _CHILD = textwrap.dedent(
 )
 
 
-def _write_until_killed(path: Path, kill_after: int) -> list[str]:
+def _write_until_killed(location: str, kill_after: int) -> list[str]:
     """Run the writing child, SIGKILL it after ``kill_after`` acks; every id it acknowledged."""
     child = subprocess.Popen(
-        [sys.executable, "-c", _CHILD, str(path)],
+        [sys.executable, "-c", _CHILD, location],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -427,10 +417,11 @@ def _write_until_killed(path: Path, kill_after: int) -> list[str]:
 
 
 @pytest.mark.parametrize("kill_after", [1, 7, 60, 200])
-async def test_sigkill_loses_no_acknowledged_write(tmp_path: Path, kill_after: int) -> None:
-    path = tmp_path / "c.db"
-    conv_id, *message_ids = await asyncio.to_thread(_write_until_killed, path, kill_after)
-    async with await SQLiteStore.open(path) as store:
+async def test_sigkill_loses_no_acknowledged_write(backend: Backend, kill_after: int) -> None:
+    conv_id, *message_ids = await asyncio.to_thread(
+        _write_until_killed, backend.location, kill_after
+    )
+    async with await backend.open() as store:
         conv = await store.get_conversation(conv_id, owner="k", user_id=None)
         assert conv is not None
         stored = await store.messages(conv_id)
@@ -452,7 +443,7 @@ async def test_the_migration_log_names_the_file(
     assert not any("Connection" in line for line in lines), lines
 
 
-async def test_rename_keeps_the_order_and_is_owner_checked(store: SQLiteStore) -> None:
+async def test_rename_keeps_the_order_and_is_owner_checked(store: Store) -> None:
     older = await store.create_conversation(owner="alice", user_id=None, model="m")
     newer = await store.create_conversation(owner="alice", user_id=None, model="m")
     renamed = await store.rename_conversation(older.id, owner="alice", user_id=None, title="Plans")
@@ -467,7 +458,7 @@ async def test_rename_keeps_the_order_and_is_owner_checked(store: SQLiteStore) -
     assert cleared is not None and cleared.title is None
 
 
-async def test_a_new_root_branches_from_the_start(store: SQLiteStore) -> None:
+async def test_a_new_root_branches_from_the_start(store: Store) -> None:
     conv = await store.create_conversation(owner="a", user_id=None, model="m")
     first = await store.add_message(conv.id, user("one"))
     await store.add_message(conv.id, assistant("two"))

@@ -128,6 +128,28 @@ class StoredResponse:
     created_at: float
 
 
+@dataclass(frozen=True, slots=True)
+class UsageRow:
+    """What one API key used of one model on one day (UTC): the usage ledger's unit.
+
+    :meth:`ConversationStore.add_usage` adds a row's counts to the stored totals of its
+    ``(key, model, day)``; :meth:`ConversationStore.usage` answers with those totals.
+
+    Example::
+
+        await store.add_usage([UsageRow("ci", "qwen", "2026-05-01", requests=1, prompt_tokens=9)])
+    """
+
+    key: str  # the API key's name ("" when the server has no keys)
+    model: str
+    day: str  # "YYYY-MM-DD", UTC
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    errors: int = 0
+
+
 class UnknownConversation(NotFound):
     """A message was added to a conversation that does not exist (or was deleted meanwhile)."""
 
@@ -160,4 +182,5 @@ class StoreClosed(ShuttingDown):
 
 
 class StoreFailed(InternalError):
-    """SQLite itself failed (disk full, I/O error, a schema newer than this sluice)."""
+    """The database itself failed (disk full, I/O error, PostgreSQL unreachable, a schema
+    newer than this sluice)."""

@@ -1,8 +1,9 @@
-"""The repository interface the routes program against; SQLite is one implementation.
+"""The repository interface the routes program against: SQLite and PostgreSQL implement it.
 
 Every method is a coroutine that never blocks the event loop. A write is
 durable (committed) when its coroutine returns, and writes are applied in
-the order they were called.
+the order they were called (within one process: several sluice processes
+may share one PostgreSQL database).
 
 Example::
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from sluice.store.models import Conversation, Message, NewMessage, StoredResponse
+from sluice.store.models import Conversation, Message, NewMessage, StoredResponse, UsageRow
 
 
 class ConversationStore(Protocol):
@@ -123,6 +124,42 @@ class ConversationStore(Protocol):
     async def end_unfinished_responses(self, error: dict[str, Any]) -> int:
         """Responses stored ``queued`` or ``in_progress`` (left by a server that stopped
         while they generated) become ``failed`` with ``error``; how many did."""
+        ...
+
+    # -- the usage ledger and the limits' counters ------------------------
+
+    # True when other processes share this store's data (PostgreSQL): the limits'
+    # counters must then be kept here; False (SQLite, one process) they may stay in memory.
+    shared: bool
+
+    async def add_usage(self, rows: Sequence[UsageRow]) -> None:
+        """Add each row's counts to the stored ``(key, model, day)`` totals: an upsert,
+        all rows in one transaction. A caller cancelled while waiting does not undo it."""
+        ...
+
+    async def usage(
+        self, *, key: str | None = None, since: str | None = None, until: str | None = None
+    ) -> list[UsageRow]:
+        """Stored totals, one row per ``(key, model, day)``, ordered by day, key, model.
+        ``key`` None: every key; ``since``/``until``: inclusive ``"YYYY-MM-DD"`` bounds."""
+        ...
+
+    async def take_request(self, key: str, *, limit: int, window: float, now: float) -> float:
+        """Atomically across every process sharing the database: count ``key``'s requests
+        taken in ``(now - window, now]``; if fewer than ``limit``, record one at ``now`` and
+        return 0.0; else the seconds until enough of them leave the window for one more
+        (with ``limit`` taken: the oldest), always > 0. ``window`` is at most an hour:
+        older records are pruned. Requests recorded after ``now`` count too (another
+        process read its clock a moment later but took its turn first)."""
+        ...
+
+    async def add_tokens(self, key: str, tokens: int, now: float) -> None:
+        """Record ``tokens`` used by ``key`` at ``now`` (for tokens-per-minute limits)."""
+        ...
+
+    async def tokens_since(self, key: str, since: float) -> tuple[int, float | None]:
+        """Tokens ``key`` recorded after ``since``, and the time of the oldest such record
+        (None if none). Records older than an hour are pruned."""
         ...
 
     async def close(self) -> None:

@@ -65,6 +65,26 @@ MIGRATIONS: tuple[str, ...] = (
     """
     ALTER TABLE conversations ADD COLUMN title TEXT;  -- a name the user gave it
     """,
+    """
+    -- the usage ledger: one row per API key, model and day (UTC), counts added up
+    CREATE TABLE usage (
+        key TEXT NOT NULL,
+        model TEXT NOT NULL,
+        day TEXT NOT NULL,  -- YYYY-MM-DD
+        requests INTEGER NOT NULL DEFAULT 0,
+        prompt_tokens INTEGER NOT NULL DEFAULT 0,
+        cached_tokens INTEGER NOT NULL DEFAULT 0,
+        completion_tokens INTEGER NOT NULL DEFAULT 0,
+        errors INTEGER NOT NULL DEFAULT 0,
+        PRIMARY KEY (key, model, day)
+    ) WITHOUT ROWID;
+    CREATE INDEX usage_by_day ON usage (day);
+    -- the limits' counters: a request taken, tokens used, at a time (an hour is kept)
+    CREATE TABLE rate_requests (key TEXT NOT NULL, at REAL NOT NULL);
+    CREATE INDEX rate_requests_by_key ON rate_requests (key, at);
+    CREATE TABLE rate_tokens (key TEXT NOT NULL, at REAL NOT NULL, tokens INTEGER NOT NULL);
+    CREATE INDEX rate_tokens_by_key ON rate_tokens (key, at);
+    """,
 )
 
 

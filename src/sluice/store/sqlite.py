@@ -30,34 +30,52 @@ Example::
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import json
 import logging
 import os
 import queue
 import sqlite3
 import threading
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Self, TypeVar
 
-from sluice.core.errors import InvalidRequest
+from sluice.store.common import (
+    ADD_USAGE,
+    ADVANCE,
+    CONVERSATION_COLUMNS,
+    INSERT_CONVERSATION,
+    INSERT_MESSAGE,
+    MESSAGE_COLUMNS,
+    PATH,
+    SELECT_RESPONSE,
+    SELECT_USAGE,
+    TOKENS_SINCE,
+    Clock,
+    Pruner,
+    check_page,
+    check_statuses,
+    check_window,
+    failed_body,
+    from_json,
+    merge_usage,
+    message_from_row,
+    message_row,
+    new_conversation,
+    plan_messages,
+    response_from_row,
+    retry_after,
+    to_json,
+    usage_params,
+)
 from sluice.store.models import (
-    CONVERSATION_PREFIX,
-    MESSAGE_PREFIX,
-    MESSAGE_STATUSES,
-    ROOT,
     Conversation,
-    DuplicateMessageId,
-    InvalidParent,
     Message,
     NewMessage,
     StoreClosed,
     StoredResponse,
     StoreFailed,
     UnknownConversation,
-    new_id,
+    UsageRow,
 )
 from sluice.store.schema import MIGRATIONS, connect
 
@@ -69,20 +87,11 @@ T = TypeVar("T")
 # small enough that one transaction never holds the writer for long.
 _MAX_BATCH = 256
 
-_CONVERSATION_COLUMNS = (
-    "id, owner, user_id, model, created_at, updated_at, head_id, message_count, title"
-)
-# The columns are the dataclass's fields, in its order: a row is a Message's arguments.
-_MESSAGE_FIELDS = tuple(field.name for field in dataclasses.fields(Message))
-_MESSAGE_COLUMNS = ", ".join(_MESSAGE_FIELDS)
-_MESSAGE_SLOTS = ", ".join("?" for _ in _MESSAGE_FIELDS)
-_JSON_FIELDS = frozenset({"content", "tool_calls", "usage"})
-
 
 class _Op:
     """One queued operation: ``work`` runs on the store thread, its outcome goes to ``future``."""
 
-    __slots__ = ("future", "loop", "work", "writes")
+    __slots__ = ("durable", "future", "loop", "work", "writes")
 
     def __init__(
         self,
@@ -90,11 +99,13 @@ class _Op:
         writes: bool,
         future: asyncio.Future[Any],
         loop: asyncio.AbstractEventLoop,
+        durable: bool = True,
     ) -> None:
         self.work = work  # None: the close marker
         self.writes = writes
         self.future = future
         self.loop = loop
+        self.durable = durable  # False: a power cut may lose it (never a process crash)
 
 
 _Outcome = tuple[_Op, Any, BaseException | None]
@@ -113,12 +124,15 @@ class SQLiteStore:
             print(await store.messages(conversation.id))  # []
     """
 
+    shared = False  # one process's store: the limits' counters may as well be kept in memory
+
     def __init__(self, path: str) -> None:
         self.location = path  # the file, or ":memory:"
         self._queue: queue.SimpleQueue[_Op] = queue.SimpleQueue()
         self._closing = False
         self._closed: asyncio.Future[None] | None = None
-        self._last_time = 0.0  # only touched on the store thread
+        self._clock = Clock()  # only used on the store thread
+        self._pruner = Pruner()  # only used on the store thread
 
     @classmethod
     async def open(
@@ -158,21 +172,8 @@ class SQLiteStore:
         self, *, owner: str, user_id: str | None, model: str | None
     ) -> Conversation:
         def work(conn: sqlite3.Connection) -> Conversation:
-            now = self._now()
-            conversation = Conversation(
-                id=new_id(CONVERSATION_PREFIX),
-                owner=owner,
-                user_id=user_id,
-                model=model,
-                created_at=now,
-                updated_at=now,
-                head_id=None,
-                message_count=0,
-            )
-            conn.execute(
-                f"INSERT INTO conversations ({_CONVERSATION_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?)",
-                (conversation.id, owner, user_id, model, now, now, None, 0, None),
-            )
+            conversation, values = new_conversation(owner, user_id, model, self._clock.now())
+            conn.execute(INSERT_CONVERSATION, values)
             return conversation
 
         return await self._call(work, writes=True)
@@ -182,7 +183,7 @@ class SQLiteStore:
     ) -> Conversation | None:
         def work(conn: sqlite3.Connection) -> Conversation | None:
             row = conn.execute(
-                f"SELECT {_CONVERSATION_COLUMNS} FROM conversations"
+                f"SELECT {CONVERSATION_COLUMNS} FROM conversations"
                 " WHERE id = ? AND owner = ? AND user_id IS ?",
                 (conversation_id, owner, user_id),
             ).fetchone()
@@ -193,15 +194,12 @@ class SQLiteStore:
     async def list_conversations(
         self, *, owner: str, user_id: str | None, limit: int, offset: int
     ) -> tuple[list[Conversation], int]:
-        if limit < 0:
-            raise InvalidRequest("'limit' must be 0 or more", param="limit")
-        if offset < 0:
-            raise InvalidRequest("'offset' must be 0 or more", param="offset")
+        check_page(limit, offset)
 
         def work(conn: sqlite3.Connection) -> tuple[list[Conversation], int]:
             # rowid breaks ties of updated_at, so pages never overlap or skip
             rows = conn.execute(
-                f"SELECT {_CONVERSATION_COLUMNS} FROM conversations"
+                f"SELECT {CONVERSATION_COLUMNS} FROM conversations"
                 " WHERE owner = ? AND user_id IS ?"
                 " ORDER BY updated_at DESC, rowid DESC LIMIT ? OFFSET ?",
                 (owner, user_id, limit, offset),
@@ -234,7 +232,7 @@ class SQLiteStore:
             # A new name is not a new turn: updated_at (the list's order) stays.
             row = conn.execute(
                 "UPDATE conversations SET title = ? WHERE id = ? AND owner = ? AND user_id IS ?"
-                f" RETURNING {_CONVERSATION_COLUMNS}",
+                f" RETURNING {CONVERSATION_COLUMNS}",
                 (title, conversation_id, owner, user_id),
             ).fetchone()
             return None if row is None else Conversation(*row)
@@ -257,10 +255,7 @@ class SQLiteStore:
         *,
         advance_head: bool = True,
     ) -> list[Message]:
-        batch = tuple(messages)
-        for new in batch:
-            if new.status not in MESSAGE_STATUSES:
-                raise InvalidRequest(f"Unknown message status '{new.status}'", param="status")
+        batch = check_statuses(messages)
         if not batch:
             return []
 
@@ -272,38 +267,29 @@ class SQLiteStore:
     async def messages(self, conversation_id: str) -> list[Message]:
         def work(conn: sqlite3.Connection) -> list[Message]:
             rows = conn.execute(
-                f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE conversation_id = ? ORDER BY seq",
+                f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE conversation_id = ? ORDER BY seq",
                 (conversation_id,),
             ).fetchall()
-            return [_message(row) for row in rows]
+            return [message_from_row(row) for row in rows]
 
         return await self._call(work, writes=False)
 
     async def path(self, message_id: str) -> list[Message]:
         def work(conn: sqlite3.Connection) -> list[Message]:
             rows = conn.execute(
-                f"""
-                WITH RECURSIVE chain (seq, up, depth) AS (
-                    SELECT seq, parent_id, 0 FROM messages WHERE id = ?
-                    UNION ALL
-                    SELECT m.seq, m.parent_id, chain.depth + 1
-                    FROM messages AS m JOIN chain ON m.id = chain.up
-                )
-                SELECT {_MESSAGE_COLUMNS} FROM chain JOIN messages USING (seq)
-                ORDER BY chain.depth DESC
-                """,
+                PATH,
                 (message_id,),
             ).fetchall()
-            return [_message(row) for row in rows]
+            return [message_from_row(row) for row in rows]
 
         return await self._call(work, writes=False)
 
     async def get_message(self, message_id: str) -> Message | None:
         def work(conn: sqlite3.Connection) -> Message | None:
             row = conn.execute(
-                f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE id = ?", (message_id,)
+                f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE id = ?", (message_id,)
             ).fetchone()
-            return None if row is None else _message(row)
+            return None if row is None else message_from_row(row)
 
         return await self._call(work, writes=False)
 
@@ -318,8 +304,8 @@ class SQLiteStore:
                     response.owner,
                     response.conversation_id,
                     response.created_at,
-                    _json(response.body),
-                    _json(response.input_items),
+                    to_json(response.body),
+                    to_json(response.input_items),
                 ),
             )
 
@@ -327,14 +313,8 @@ class SQLiteStore:
 
     async def get_response(self, response_id: str, *, owner: str) -> StoredResponse | None:
         def work(conn: sqlite3.Connection) -> StoredResponse | None:
-            row = conn.execute(
-                "SELECT id, owner, conversation_id, body, input_items, created_at"
-                " FROM responses WHERE id = ? AND owner = ?",
-                (response_id, owner),
-            ).fetchone()
-            if row is None:
-                return None
-            return StoredResponse(row[0], row[1], row[2], _unjson(row[3]), _unjson(row[4]), row[5])
+            row = conn.execute(SELECT_RESPONSE, (response_id, owner)).fetchone()
+            return None if row is None else response_from_row(row)
 
         return await self._call(work, writes=False)
 
@@ -344,12 +324,12 @@ class SQLiteStore:
                 "SELECT id, body FROM responses"
                 " WHERE json_extract(body, '$.status') IN ('queued', 'in_progress')"
             ).fetchall()
-            for response_id, text in rows:
-                body = _unjson(text) | {"status": "failed", "error": error}
-                conn.execute(
-                    "UPDATE responses SET body = ? WHERE id = ?", (_json(body), response_id)
-                )
-            return len(rows)
+            ended = [(id_, from_json(text)) for id_, text in rows]
+            conn.executemany(
+                "UPDATE responses SET body = ? WHERE id = ?",
+                [(to_json(failed_body(body, error)), id_) for id_, body in ended],
+            )
+            return len(ended)
 
         return await self._call(work, writes=True)
 
@@ -362,6 +342,64 @@ class SQLiteStore:
 
         return await self._call(work, writes=True)
 
+    async def add_usage(self, rows: Sequence[UsageRow]) -> None:
+        values = merge_usage(rows)
+        if not values:
+            return
+
+        def work(conn: sqlite3.Connection) -> None:
+            conn.executemany(ADD_USAGE, values)
+
+        await self._call(work, writes=True)
+
+    async def usage(
+        self, *, key: str | None = None, since: str | None = None, until: str | None = None
+    ) -> list[UsageRow]:
+        params = usage_params(key, since, until)
+
+        def work(conn: sqlite3.Connection) -> list[UsageRow]:
+            rows = conn.execute(SELECT_USAGE, params).fetchall()
+            return [UsageRow(*row) for row in rows]
+
+        return await self._call(work, writes=False)
+
+    async def take_request(self, key: str, *, limit: int, window: float, now: float) -> float:
+        check_window(limit, window)
+
+        def work(conn: sqlite3.Connection) -> float:
+            self._prune(conn, now)
+            start = now - window
+            (count,) = conn.execute(
+                "SELECT COUNT(*) FROM rate_requests WHERE key = ? AND at > ?", (key, start)
+            ).fetchone()
+            if count < limit:
+                conn.execute("INSERT INTO rate_requests (key, at) VALUES (?, ?)", (key, now))
+                return 0.0
+            # the one whose leaving brings the count under the limit
+            row = conn.execute(
+                "SELECT at FROM rate_requests WHERE key = ? AND at > ? ORDER BY at LIMIT 1 OFFSET ?",
+                (key, start, count - limit),
+            ).fetchone()
+            return retry_after(None if row is None else row[0], window, now)
+
+        return await self._call(work, writes=True, durable=False)
+
+    async def add_tokens(self, key: str, tokens: int, now: float) -> None:
+        def work(conn: sqlite3.Connection) -> None:
+            self._prune(conn, now)
+            conn.execute(
+                "INSERT INTO rate_tokens (key, at, tokens) VALUES (?, ?, ?)", (key, now, tokens)
+            )
+
+        await self._call(work, writes=True, durable=False)
+
+    async def tokens_since(self, key: str, since: float) -> tuple[int, float | None]:
+        def work(conn: sqlite3.Connection) -> tuple[int, float | None]:
+            total, oldest = conn.execute(TOKENS_SINCE, (key, since)).fetchone()
+            return int(total), oldest
+
+        return await self._call(work, writes=False)
+
     async def close(self) -> None:
         if self._closed is None:
             self._closing = True
@@ -372,21 +410,23 @@ class SQLiteStore:
 
     # -- the store thread -----------------------------------------------
 
-    async def _call(self, work: Callable[[sqlite3.Connection], T], *, writes: bool) -> T:
+    async def _call(
+        self, work: Callable[[sqlite3.Connection], T], *, writes: bool, durable: bool = True
+    ) -> T:
         if self._closing:
             raise StoreClosed()
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
         # Queued now, at call time: the order of calls is the order of writes.
-        self._queue.put(_Op(work, writes, future, loop))
+        self._queue.put(_Op(work, writes, future, loop, durable))
         result: T = await future
         return result
 
-    def _now(self) -> float:
-        """Unix time, strictly increasing within this store, so "newest first"
-        follows write order even when the clock has not ticked between two writes."""
-        self._last_time = max(time.time(), self._last_time + 1e-6)
-        return self._last_time
+    def _prune(self, conn: sqlite3.Connection, now: float) -> None:
+        cutoff = self._pruner.due(now)
+        if cutoff is not None:
+            conn.execute("DELETE FROM rate_requests WHERE at <= ?", (cutoff,))
+            conn.execute("DELETE FROM rate_tokens WHERE at <= ?", (cutoff,))
 
     def _insert_messages(
         self,
@@ -400,53 +440,29 @@ class SQLiteStore:
         ).fetchone()
         if row is None:
             raise UnknownConversation(conversation_id)
-        previous: str | None = row[0]
-        stored: list[Message] = []
-        for new in batch:
-            parent_id = new.parent_id if new.parent_id is not None else previous
-            if parent_id == ROOT:
-                parent_id = None  # a second root: a branch from the very start
-            elif parent_id is not None:
-                # A parent in another conversation would tie two conversations'
-                # lifetimes together (deleting one would orphan the other's messages).
-                owner_row = conn.execute(
-                    "SELECT conversation_id FROM messages WHERE id = ?", (parent_id,)
-                ).fetchone()
-                if owner_row is None or owner_row[0] != conversation_id:
-                    raise InvalidParent(parent_id)
-            message_id = new.id if new.id is not None else new_id(MESSAGE_PREFIX)
-            if (
-                new.id is not None
-                and conn.execute("SELECT 1 FROM messages WHERE id = ?", (message_id,)).fetchone()
-            ):
-                raise DuplicateMessageId(message_id)
-            message = Message(
-                id=message_id,
-                conversation_id=conversation_id,
-                parent_id=parent_id,
-                role=new.role,
-                content=new.content,
-                created_at=self._now(),
-                status=new.status,
-                model=new.model,
-                reasoning=new.reasoning,
-                tool_calls=new.tool_calls,
-                tool_call_id=new.tool_call_id,
-                name=new.name,
-                usage=new.usage,
-                error=new.error,
-                finish_reason=new.finish_reason,
-            )
-            conn.execute(
-                f"INSERT INTO messages ({_MESSAGE_COLUMNS}) VALUES ({_MESSAGE_SLOTS})",
-                _message_row(message),
-            )
-            stored.append(message)
-            previous = message_id
+
+        def parent_conversation(message_id: str) -> str | None:
+            found = conn.execute(
+                "SELECT conversation_id FROM messages WHERE id = ?", (message_id,)
+            ).fetchone()
+            return None if found is None else str(found[0])
+
+        def taken(message_id: str) -> bool:
+            found = conn.execute("SELECT 1 FROM messages WHERE id = ?", (message_id,))
+            return found.fetchone() is not None
+
+        stored = plan_messages(
+            conversation_id,
+            head=row[0],
+            batch=batch,
+            parent_conversation=parent_conversation,
+            taken=taken,
+            now=self._clock.now,
+        )
+        conn.executemany(INSERT_MESSAGE, [message_row(message) for message in stored])
         conn.execute(
-            "UPDATE conversations SET updated_at = ?, message_count = message_count + ?,"
-            " head_id = CASE WHEN ? THEN ? ELSE head_id END WHERE id = ?",
-            (self._now(), len(stored), advance_head, previous, conversation_id),
+            ADVANCE,
+            (self._clock.now(), len(stored), advance_head, stored[-1].id, conversation_id),
         )
         return stored
 
@@ -496,6 +512,19 @@ def _run_batch(conn: sqlite3.Connection, batch: list[_Op]) -> list[_Outcome]:
     """Run ``batch`` in one transaction; every outcome is final only after COMMIT."""
     # A read whose caller is gone is skipped; a write is not (it was asked for).
     live = [op for op in batch if op.writes or not op.future.cancelled()]
+    # A batch of counters only commits without its fsync: a limit's count lost to a
+    # power cut costs a key a few requests, an fsync per request costs every request.
+    relaxed = any(op.writes for op in live) and not any(op.writes and op.durable for op in live)
+    if relaxed:
+        conn.execute("PRAGMA synchronous = NORMAL")
+    try:
+        return _run_transaction(conn, live)
+    finally:
+        if relaxed:
+            conn.execute("PRAGMA synchronous = FULL")
+
+
+def _run_transaction(conn: sqlite3.Connection, live: list[_Op]) -> list[_Outcome]:
     outcomes: list[_Outcome] = []
     try:
         conn.execute("BEGIN IMMEDIATE" if any(op.writes for op in live) else "BEGIN")
@@ -556,27 +585,3 @@ def _as_store_error(exc: BaseException) -> BaseException:
         error.__cause__ = exc
         return error
     return exc
-
-
-def _json(value: Any) -> str | None:
-    return None if value is None else json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-
-
-def _unjson(text: str | None) -> Any:
-    return None if text is None else json.loads(text)
-
-
-def _message_row(message: Message) -> tuple[Any, ...]:
-    return tuple(
-        _json(getattr(message, field)) if field in _JSON_FIELDS else getattr(message, field)
-        for field in _MESSAGE_FIELDS
-    )
-
-
-def _message(row: tuple[Any, ...]) -> Message:
-    return Message(
-        *(
-            _unjson(value) if field in _JSON_FIELDS else value
-            for field, value in zip(_MESSAGE_FIELDS, row, strict=True)
-        )
-    )

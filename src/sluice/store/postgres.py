@@ -1,0 +1,709 @@
+"""The conversation store in PostgreSQL: several sluice processes share one database.
+
+Writes to conversations and responses go, as in the SQLite store, through one
+writer: a task owning a connection of its own, which takes every write waiting
+(up to ``_MAX_BATCH``) into one transaction, each in its own savepoint, commits
+once and only then tells the callers. So writes apply in the order they were
+called, concurrent turns share one commit, and a write whose caller was
+cancelled still happens. Each conversation's row is locked (``FOR UPDATE``)
+while a message is added, so two processes continuing one conversation make one
+chain; a write that loses a deadlock to another process is retried in its
+savepoint.
+
+Reads, the usage ledger and the limits' counters use a pool of connections
+instead, concurrently: the ledger and the counters are not ordered with the
+conversations, and each runs in a transaction of its own (a usage upsert or a
+counter never waits behind a batch, and never holds another process's rows in
+an order that could deadlock). ``take_request`` is one call of a function the
+schema defines, atomic across processes under an advisory lock on the key.
+
+Processes: each open store registers an *instance* (a row of ``instances``,
+refreshed by a heartbeat every ``heartbeat`` seconds), and every stored
+response records the instance that stored it. A response left ``queued`` or
+``in_progress`` belongs to a live run somewhere unless its instance is gone:
+:meth:`end_unfinished_responses` fails only those of this instance's id and of
+instances not seen for ``dead_after`` seconds, and after it has been called
+once, the heartbeat keeps failing those of instances that die later.
+
+Example::
+
+    store = await PostgresStore.open("postgresql://sluice:secret@db.internal/sluice")
+    conversation = await store.create_conversation(owner="alice", user_id=None, model="m")
+    await store.add_message(conversation.id, NewMessage(role="user", content="Hi"))
+    await store.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import socket
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Self, TypeVar
+
+import psycopg
+import psycopg.errors
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
+
+from sluice.store.common import (
+    ADD_USAGE,
+    ADVANCE,
+    CONVERSATION_COLUMNS,
+    INSERT_CONVERSATION,
+    INSERT_MESSAGE,
+    MESSAGE_COLUMNS,
+    PATH,
+    SELECT_RESPONSE,
+    SELECT_USAGE,
+    TOKENS_SINCE,
+    Clock,
+    Pruner,
+    check_page,
+    check_statuses,
+    check_window,
+    failed_body,
+    from_json,
+    is_unfinished,
+    merge_usage,
+    message_from_row,
+    message_row,
+    new_conversation,
+    plan_messages,
+    response_from_row,
+    retry_after,
+    to_json,
+    usage_params,
+)
+from sluice.store.models import (
+    Conversation,
+    DuplicateMessageId,
+    Message,
+    NewMessage,
+    StoreClosed,
+    StoredResponse,
+    StoreFailed,
+    UnknownConversation,
+    UsageRow,
+)
+from sluice.store.postgres_schema import MIGRATIONS, describe, migrate, scrub
+
+log = logging.getLogger("sluice.store")
+
+T = TypeVar("T")
+Conn = psycopg.AsyncConnection[Any]
+Work = Callable[[Conn], Awaitable[T]]
+
+_MAX_BATCH = 256
+_DEADLOCK_RETRIES = 3
+_CONNECT_TIMEOUT = 10.0
+
+
+class _Op:
+    """One queued write: ``work`` runs on the writer's connection, its outcome goes to ``future``."""
+
+    __slots__ = ("future", "work")
+
+    def __init__(self, work: Work[Any] | None, future: asyncio.Future[Any]) -> None:
+        self.work = work  # None: the close marker
+        self.future = future
+
+
+class PostgresStore:
+    """:class:`~sluice.store.repository.ConversationStore` on a PostgreSQL database.
+
+    Open it with :meth:`open` (not the constructor), with a ``postgresql://`` URL.
+
+    Example::
+
+        async with await PostgresStore.open("postgresql://app@localhost/sluice") as store:
+            conversation = await store.create_conversation(owner="", user_id=None, model=None)
+            print(await store.messages(conversation.id))  # []
+    """
+
+    shared = True  # other processes may use the same database: counters live here
+
+    def __init__(self, url: str, instance: str, heartbeat: float, dead_after: float) -> None:
+        self.location = describe(url)  # never the password
+        self.instance = instance
+        self._url = url
+        self._heartbeat_every = heartbeat
+        self._dead_after = dead_after
+        self._queue: asyncio.Queue[_Op] = asyncio.Queue()
+        self._closing = False
+        self._closed: asyncio.Future[None] | None = None
+        self._clock = Clock()
+        self._pruner = Pruner()
+        self._writer_conn: Conn | None = None
+        self._pool: AsyncConnectionPool[Conn] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._side: set[asyncio.Future[Any]] = set()
+        self._unfinished_error: dict[str, Any] | None = None
+
+    @classmethod
+    async def open(
+        cls,
+        url: str,
+        *,
+        instance: str | None = None,
+        migrations: Sequence[str] = MIGRATIONS,
+        pool_size: int = 8,
+        heartbeat: float = 10.0,
+        dead_after: float = 60.0,
+    ) -> PostgresStore:
+        """Connect, migrate and register this instance; ready when this returns.
+
+        ``instance`` names this process in the database (default: host, pid and a random
+        suffix, new at every start); a stable name lets a restarted process end its own
+        unfinished responses at once. An instance whose heartbeat (every ``heartbeat``
+        seconds) is older than ``dead_after`` seconds is taken for gone. Raises
+        ``StoreFailed`` naming the host and database (never the password).
+        """
+        if instance is None:
+            instance = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        store = cls(url, instance, heartbeat, dead_after)
+        try:
+            store._writer_conn = await store._connect()
+            await migrate(store._writer_conn, tuple(migrations), store.location)
+            store._pool = AsyncConnectionPool(
+                url,
+                min_size=1,
+                max_size=max(pool_size, 1),
+                kwargs={"autocommit": True},
+                open=False,
+                name="sluice-store",
+            )
+            await store._pool.open(wait=True, timeout=_CONNECT_TIMEOUT)
+            await store._beat()
+        except BaseException as exc:
+            await store._abandon()
+            if isinstance(exc, psycopg.Error | TimeoutError | PoolTimeout):
+                detail = scrub(str(exc).strip(), url) or type(exc).__name__
+                raise StoreFailed(
+                    f"Could not open the conversation store {store.location}: {detail}"
+                ) from None
+            raise
+        loop = asyncio.get_running_loop()
+        store._tasks = [
+            loop.create_task(store._write_loop(), name="sluice-store-writer"),
+            loop.create_task(store._heartbeat_loop(), name="sluice-store-heartbeat"),
+        ]
+        log.info("conversation store %s opened as instance %s", store.location, instance)
+        return store
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    # -- the repository -------------------------------------------------
+
+    async def create_conversation(
+        self, *, owner: str, user_id: str | None, model: str | None
+    ) -> Conversation:
+        async def work(conn: Conn) -> Conversation:
+            conversation, values = new_conversation(owner, user_id, model, self._clock.now())
+            await conn.execute(_pg(INSERT_CONVERSATION), values)
+            return conversation
+
+        return await self._call(work, writes=True)
+
+    async def get_conversation(
+        self, conversation_id: str, *, owner: str, user_id: str | None
+    ) -> Conversation | None:
+        async def work(conn: Conn) -> Conversation | None:
+            cursor = await conn.execute(
+                f"SELECT {CONVERSATION_COLUMNS} FROM conversations"
+                f" WHERE id = %s AND owner = %s AND {_user_is(user_id)}",
+                (conversation_id, owner, user_id),
+            )
+            row = await cursor.fetchone()
+            return None if row is None else Conversation(*row)
+
+        return await self._call(work, writes=False)
+
+    async def list_conversations(
+        self, *, owner: str, user_id: str | None, limit: int, offset: int
+    ) -> tuple[list[Conversation], int]:
+        check_page(limit, offset)
+
+        async def work(conn: Conn) -> tuple[list[Conversation], int]:
+            # seq breaks ties of updated_at, so pages never overlap or skip
+            cursor = await conn.execute(
+                f"SELECT {CONVERSATION_COLUMNS} FROM conversations"
+                f" WHERE owner = %s AND {_user_is(user_id)}"
+                " ORDER BY updated_at DESC, seq DESC LIMIT %s OFFSET %s",
+                (owner, user_id, limit, offset),
+            )
+            rows = await cursor.fetchall()
+            cursor = await conn.execute(
+                f"SELECT COUNT(*) FROM conversations WHERE owner = %s AND {_user_is(user_id)}",
+                (owner, user_id),
+            )
+            total = await cursor.fetchone()
+            assert total is not None
+            return [Conversation(*row) for row in rows], int(total[0])
+
+        return await self._call(work, writes=False)
+
+    async def delete_conversation(
+        self, conversation_id: str, *, owner: str, user_id: str | None
+    ) -> bool:
+        async def work(conn: Conn) -> bool:
+            # the messages and responses go by ON DELETE CASCADE
+            cursor = await conn.execute(
+                f"DELETE FROM conversations WHERE id = %s AND owner = %s AND {_user_is(user_id)}",
+                (conversation_id, owner, user_id),
+            )
+            return cursor.rowcount > 0
+
+        return await self._call(work, writes=True)
+
+    async def rename_conversation(
+        self, conversation_id: str, *, owner: str, user_id: str | None, title: str | None
+    ) -> Conversation | None:
+        async def work(conn: Conn) -> Conversation | None:
+            # A new name is not a new turn: updated_at (the list's order) stays.
+            cursor = await conn.execute(
+                "UPDATE conversations SET title = %s"
+                f" WHERE id = %s AND owner = %s AND {_user_is(user_id)}"
+                f" RETURNING {CONVERSATION_COLUMNS}",
+                (title, conversation_id, owner, user_id),
+            )
+            row = await cursor.fetchone()
+            return None if row is None else Conversation(*row)
+
+        return await self._call(work, writes=True)
+
+    async def add_message(
+        self, conversation_id: str, message: NewMessage, *, advance_head: bool = True
+    ) -> Message:
+        (stored,) = await self.add_messages(conversation_id, (message,), advance_head=advance_head)
+        return stored
+
+    async def add_messages(
+        self,
+        conversation_id: str,
+        messages: Sequence[NewMessage],
+        *,
+        advance_head: bool = True,
+    ) -> list[Message]:
+        batch = check_statuses(messages)
+        if not batch:
+            return []
+
+        async def work(conn: Conn) -> list[Message]:
+            return await self._insert_messages(conn, conversation_id, batch, advance_head)
+
+        return await self._call(work, writes=True)
+
+    async def messages(self, conversation_id: str) -> list[Message]:
+        async def work(conn: Conn) -> list[Message]:
+            cursor = await conn.execute(
+                f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE conversation_id = %s ORDER BY seq",
+                (conversation_id,),
+            )
+            return [message_from_row(row) for row in await cursor.fetchall()]
+
+        return await self._call(work, writes=False)
+
+    async def path(self, message_id: str) -> list[Message]:
+        async def work(conn: Conn) -> list[Message]:
+            cursor = await conn.execute(
+                _pg(PATH),
+                (message_id,),
+            )
+            return [message_from_row(row) for row in await cursor.fetchall()]
+
+        return await self._call(work, writes=False)
+
+    async def get_message(self, message_id: str) -> Message | None:
+        async def work(conn: Conn) -> Message | None:
+            cursor = await conn.execute(
+                f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE id = %s", (message_id,)
+            )
+            row = await cursor.fetchone()
+            return None if row is None else message_from_row(row)
+
+        return await self._call(work, writes=False)
+
+    async def put_response(self, response: StoredResponse) -> None:
+        async def work(conn: Conn) -> None:
+            await conn.execute(
+                "INSERT INTO responses (id, owner, conversation_id, created_at, body,"
+                " input_items, instance, unfinished) VALUES (%s,%s,%s,%s,%s,%s,%s,%s)"
+                " ON CONFLICT (id) DO UPDATE SET owner = excluded.owner,"
+                " conversation_id = excluded.conversation_id,"
+                " created_at = excluded.created_at, body = excluded.body,"
+                " input_items = excluded.input_items, instance = excluded.instance,"
+                " unfinished = excluded.unfinished",
+                (
+                    response.id,
+                    response.owner,
+                    response.conversation_id,
+                    response.created_at,
+                    to_json(response.body),
+                    to_json(response.input_items),
+                    self.instance,
+                    is_unfinished(response.body),
+                ),
+            )
+
+        await self._call(work, writes=True)
+
+    async def get_response(self, response_id: str, *, owner: str) -> StoredResponse | None:
+        async def work(conn: Conn) -> StoredResponse | None:
+            cursor = await conn.execute(_pg(SELECT_RESPONSE), (response_id, owner))
+            row = await cursor.fetchone()
+            return None if row is None else response_from_row(row)
+
+        return await self._call(work, writes=False)
+
+    async def end_unfinished_responses(self, error: dict[str, Any]) -> int:
+        self._unfinished_error = error  # the heartbeat ends those of instances dying later
+        return await self._call(self._end_orphans, writes=True)
+
+    async def delete_response(self, response_id: str, *, owner: str) -> bool:
+        async def work(conn: Conn) -> bool:
+            cursor = await conn.execute(
+                "DELETE FROM responses WHERE id = %s AND owner = %s", (response_id, owner)
+            )
+            return cursor.rowcount > 0
+
+        return await self._call(work, writes=True)
+
+    # -- the usage ledger and the limits' counters ------------------------
+
+    async def add_usage(self, rows: Sequence[UsageRow]) -> None:
+        values = merge_usage(rows)  # one order for every process: no deadlock
+        if not values:
+            return
+
+        async def work(conn: Conn) -> None:
+            async with conn.transaction(), conn.cursor() as cursor:
+                await cursor.executemany(_pg(ADD_USAGE), values)
+
+        await self._aside(work, writes=True)
+
+    async def usage(
+        self, *, key: str | None = None, since: str | None = None, until: str | None = None
+    ) -> list[UsageRow]:
+        params = usage_params(key, since, until)
+
+        async def work(conn: Conn) -> list[UsageRow]:
+            cursor = await conn.execute(_pg(SELECT_USAGE), params)
+            return [UsageRow(*row) for row in await cursor.fetchall()]
+
+        return await self._aside(work, writes=False)
+
+    async def take_request(self, key: str, *, limit: int, window: float, now: float) -> float:
+        check_window(limit, window)
+
+        async def work(conn: Conn) -> float:
+            await self._prune(conn, now)
+            cursor = await conn.execute(
+                "SELECT admitted, oldest FROM sluice_take_request(%s, %s, %s, %s)",
+                (key, limit, window, now),
+            )
+            row = await cursor.fetchone()
+            assert row is not None
+            admitted, oldest = row
+            return 0.0 if admitted else retry_after(oldest, window, now)
+
+        return await self._aside(work, writes=True)
+
+    async def add_tokens(self, key: str, tokens: int, now: float) -> None:
+        async def work(conn: Conn) -> None:
+            await self._prune(conn, now)
+            await conn.execute(
+                "INSERT INTO rate_tokens (key, at, tokens) VALUES (%s, %s, %s)",
+                (key, now, tokens),
+            )
+
+        await self._aside(work, writes=True)
+
+    async def tokens_since(self, key: str, since: float) -> tuple[int, float | None]:
+        async def work(conn: Conn) -> tuple[int, float | None]:
+            cursor = await conn.execute(_pg(TOKENS_SINCE), (key, since))
+            row = await cursor.fetchone()
+            assert row is not None
+            return int(row[0]), row[1]
+
+        return await self._aside(work, writes=False)
+
+    async def close(self) -> None:
+        if self._closed is None:
+            self._closing = True
+            self._closed = asyncio.ensure_future(self._shutdown())
+        await asyncio.shield(self._closed)
+
+    # -- how calls run --------------------------------------------------
+
+    async def _call(self, work: Work[T], *, writes: bool) -> T:
+        """A write goes to the writer (queued now, at call time: the order of calls is the
+        order of writes); a read runs at once on a pooled connection."""
+        if self._closing:
+            raise StoreClosed()
+        if not writes:
+            return await self._pooled(work, retry=True)
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._queue.put_nowait(_Op(work, future))
+        return await future
+
+    async def _aside(self, work: Work[T], *, writes: bool) -> T:
+        """``work`` on a pooled connection, beside the writer; a write is not undone by
+        its caller's cancellation (it runs on, and close waits for it)."""
+        if self._closing:
+            raise StoreClosed()
+        if not writes:
+            return await self._pooled(work, retry=True)
+        task = asyncio.ensure_future(self._pooled(work, retry=False))
+        self._side.add(task)
+        task.add_done_callback(self._side_done)
+        return await asyncio.shield(task)
+
+    def _side_done(self, task: asyncio.Future[Any]) -> None:
+        self._side.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            # retrieved here, so a write whose caller left does not warn "never retrieved"
+            log.debug("a store write failed: %s", task.exception())
+
+    async def _pooled(self, work: Work[T], *, retry: bool) -> T:
+        """``work`` on a pooled connection. ``retry``: once more on another connection if
+        this one was dead (the server restarted since it was pooled): for reads only, as
+        a write's fate is unknown when its connection dies under it."""
+        assert self._pool is not None
+        while True:
+            conn: Conn | None = None
+            try:
+                async with self._pool.connection() as conn:
+                    return await work(conn)
+            except psycopg.Error as exc:
+                if not (retry and conn is not None and conn.broken):
+                    raise self._failed(exc) from exc
+                retry = False
+
+    async def _write_loop(self) -> None:
+        while True:
+            batch: list[_Op] = [await self._queue.get()]
+            while batch[-1].work is not None and len(batch) < _MAX_BATCH:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except asyncio.QueueEmpty:
+                    break
+            stop = batch[-1] if batch[-1].work is None else None
+            writes = batch[:-1] if stop is not None else batch
+            if writes:
+                await self._run_batch(writes)
+            if stop is not None:
+                stop.future.set_result(None)
+                return
+
+    async def _run_batch(self, batch: list[_Op]) -> None:
+        """Run ``batch`` in one transaction; every outcome is final only after COMMIT."""
+        for attempt in (1, 2):
+            outcomes: list[tuple[_Op, Any, BaseException | None]] = []
+            committing = False
+            try:
+                conn = await self._writer()
+                async with conn.transaction():
+                    for op in batch:
+                        outcomes.append(await self._in_savepoint(conn, op))
+                    committing = True
+                break
+            except Exception as exc:  # noqa: BLE001 - connect, BEGIN or a write's connection failed
+                # Nothing of the batch is durable, unless the connection died during
+                # COMMIT (then nobody knows). A connection found dead before COMMIT (the
+                # server restarted while it was idle) is replaced and the batch run again.
+                writer = self._writer_conn
+                if attempt == 1 and not committing and writer is not None and writer.broken:
+                    continue
+                error = self._failed(exc)
+                outcomes = [(op, None, error) for op in batch]
+                break
+        for op, result, op_error in outcomes:
+            if op.future.done():  # the caller was cancelled
+                continue
+            if op_error is not None:
+                op.future.set_exception(op_error)
+            else:
+                op.future.set_result(result)
+
+    async def _in_savepoint(self, conn: Conn, op: _Op) -> tuple[_Op, Any, BaseException | None]:
+        """One write in its own savepoint: a failing one is rolled back alone; one that
+        lost a deadlock to another process is tried again."""
+        assert op.work is not None
+        for attempt in range(1, _DEADLOCK_RETRIES + 1):
+            try:
+                async with conn.transaction():
+                    return op, await op.work(conn), None
+            except psycopg.errors.TransactionRollback as exc:
+                if attempt == _DEADLOCK_RETRIES:
+                    return op, None, self._failed(exc)
+            except psycopg.OperationalError:
+                raise  # the connection is gone: the whole batch failed
+            except Exception as exc:  # noqa: BLE001 - handed to the awaiting task
+                return op, None, self._failed(exc) if isinstance(exc, psycopg.Error) else exc
+        raise AssertionError("unreachable")
+
+    async def _writer(self) -> Conn:
+        conn = self._writer_conn
+        if conn is None or conn.closed or conn.broken:
+            if conn is not None:
+                await conn.close()
+            self._writer_conn = None
+            self._writer_conn = conn = await self._connect()
+        return conn
+
+    async def _connect(self) -> Conn:
+        return await psycopg.AsyncConnection.connect(
+            self._url, autocommit=True, connect_timeout=int(_CONNECT_TIMEOUT)
+        )
+
+    async def _insert_messages(
+        self,
+        conn: Conn,
+        conversation_id: str,
+        batch: tuple[NewMessage, ...],
+        advance_head: bool,
+    ) -> list[Message]:
+        # The row lock: another process adding to this conversation waits for our commit.
+        cursor = await conn.execute(
+            "SELECT head_id FROM conversations WHERE id = %s FOR UPDATE", (conversation_id,)
+        )
+        row = await cursor.fetchone()
+        if row is None:
+            raise UnknownConversation(conversation_id)
+        # Every id the batch names, looked up at once: a parent's conversation, ids taken.
+        named = sorted({m.parent_id for m in batch if m.parent_id} | {m.id for m in batch if m.id})
+        known: dict[str, str] = {}
+        if named:
+            cursor = await conn.execute(
+                "SELECT id, conversation_id FROM messages WHERE id = ANY(%s)", (named,)
+            )
+            known = {message_id: owner for message_id, owner in await cursor.fetchall()}
+        stored = plan_messages(
+            conversation_id,
+            head=row[0],
+            batch=batch,
+            parent_conversation=known.get,
+            taken=known.__contains__,
+            now=self._clock.now,
+        )
+        try:  # (a failure here rolls the write's savepoint back)
+            async with conn.cursor() as insert:
+                await insert.executemany(
+                    _pg(INSERT_MESSAGE), [message_row(message) for message in stored]
+                )
+        except psycopg.errors.UniqueViolation:
+            # another process took a caller-given id since we looked
+            given = [m.id for m in batch if m.id is not None]
+            if not given:
+                raise
+            raise DuplicateMessageId(given[0]) from None
+        await conn.execute(
+            _pg(ADVANCE),
+            (self._clock.now(), len(stored), advance_head, stored[-1].id, conversation_id),
+        )
+        return stored
+
+    async def _end_orphans(self, conn: Conn) -> int:
+        """Fail the unfinished responses of this instance's id and of instances gone."""
+        assert self._unfinished_error is not None
+        cursor = await conn.execute(
+            "SELECT r.id, r.body FROM responses AS r"
+            " WHERE r.unfinished AND (r.instance IS NULL OR r.instance = %s OR NOT EXISTS ("
+            "   SELECT 1 FROM instances AS i WHERE i.id = r.instance"
+            "   AND i.last_seen > clock_timestamp() - make_interval(secs => %s)))"
+            " ORDER BY r.id FOR UPDATE OF r SKIP LOCKED",
+            (self.instance, self._dead_after),
+        )
+        rows = await cursor.fetchall()
+        if rows:
+            async with conn.cursor() as update:
+                await update.executemany(
+                    "UPDATE responses SET body = %s, unfinished = false WHERE id = %s",
+                    [
+                        (to_json(failed_body(from_json(text), self._unfinished_error)), id_)
+                        for id_, text in rows
+                    ],
+                )
+        return len(rows)
+
+    async def _prune(self, conn: Conn, now: float) -> None:
+        cutoff = self._pruner.due(now)
+        if cutoff is not None:
+            await conn.execute("DELETE FROM rate_requests WHERE at <= %s", (cutoff,))
+            await conn.execute("DELETE FROM rate_tokens WHERE at <= %s", (cutoff,))
+
+    async def _beat(self) -> None:
+        assert self._pool is not None
+        async with self._pool.connection() as conn:
+            await conn.execute(
+                "INSERT INTO instances (id) VALUES (%s)"
+                " ON CONFLICT (id) DO UPDATE SET last_seen = clock_timestamp()",
+                (self.instance,),
+            )
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._heartbeat_every)
+            try:
+                await self._beat()
+                if self._unfinished_error is not None and not self._closing:
+                    ended = await self._call(self._end_orphans, writes=True)
+                    if ended:
+                        log.warning(
+                            "%d background response(s) of a stopped sluice instance are now failed",
+                            ended,
+                        )
+            except StoreClosed:
+                return
+            except Exception:  # the next beat tries again
+                log.warning("conversation store heartbeat failed", exc_info=True)
+
+    async def _shutdown(self) -> None:
+        loop = asyncio.get_running_loop()
+        stopped: asyncio.Future[None] = loop.create_future()
+        writer, heartbeat = self._tasks
+        self._queue.put_nowait(_Op(None, stopped))
+        await writer  # every write queued before close is done
+        heartbeat.cancel()
+        await asyncio.gather(heartbeat, *self._side, return_exceptions=True)
+        if self._pool is not None:
+            try:  # gone at once: another instance may end this one's unfinished responses
+                async with self._pool.connection() as conn:
+                    await conn.execute("DELETE FROM instances WHERE id = %s", (self.instance,))
+            except psycopg.Error:
+                log.warning("could not unregister instance %s", self.instance, exc_info=True)
+        await self._abandon()
+
+    async def _abandon(self) -> None:
+        if self._pool is not None:
+            await self._pool.close()
+        if self._writer_conn is not None:
+            await self._writer_conn.close()
+
+    def _failed(self, exc: BaseException) -> StoreFailed:
+        """PostgreSQL's error as the typed one the caller's client sees (which names no
+        database); the log names the database and why, never its password."""
+        if isinstance(exc, StoreFailed):
+            return exc
+        detail = scrub(str(exc).strip(), self._url) or type(exc).__name__
+        log.error("conversation store %s failed: %s", self.location, detail)
+        error = StoreFailed("The conversation store failed.")
+        error.__cause__ = exc
+        return error
+
+
+def _user_is(user_id: str | None) -> str:
+    """The condition ``user_id IS %s`` as PostgreSQL answers it from the index (``IS NOT
+    DISTINCT FROM`` it cannot); it takes the one parameter either way."""
+    return "user_id IS NULL AND %s::text IS NULL" if user_id is None else "user_id = %s"
+
+
+def _pg(sql: str) -> str:
+    """Shared SQL (``?`` parameters) as psycopg takes it (``%s``)."""
+    return sql.replace("?", "%s")

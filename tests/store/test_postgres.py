@@ -1,0 +1,271 @@
+"""What only the PostgreSQL store does: migrate once among many, share one database between
+processes (conversations, responses, limits), tell live instances from gone ones, and never
+show a password."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from sluice.store import (
+    NewMessage,
+    PostgresStore,
+    SQLiteStore,
+    StoredResponse,
+    StoreFailed,
+    open_store,
+)
+from sluice.store.postgres_schema import MIGRATIONS, describe
+from tests.support.postgres import PASSWORD, PostgresServer
+
+
+def query(url: str, sql: str) -> list[tuple[object, ...]]:
+    with psycopg.connect(url, autocommit=True) as conn:
+        cursor = conn.execute(sql.encode())
+        return list(cursor.fetchall()) if cursor.description else []
+
+
+async def test_a_fresh_database_migrates_once(postgres_url: str) -> None:
+    async with await PostgresStore.open(postgres_url) as store:
+        conv = await store.create_conversation(owner="k", user_id=None, model=None)
+        await store.add_message(conv.id, NewMessage(role="user", content="kept"))
+    assert query(postgres_url, "SELECT version FROM sluice_schema") == [(len(MIGRATIONS),)]
+
+    extra = "CREATE TABLE extra (n INTEGER); INSERT INTO extra VALUES (1);"
+    for _ in range(2):  # the second open must not run it again
+        async with await PostgresStore.open(postgres_url, migrations=[*MIGRATIONS, extra]) as s:
+            assert [m.content for m in await s.messages(conv.id)] == ["kept"]
+    assert query(postgres_url, "SELECT version FROM sluice_schema") == [(len(MIGRATIONS) + 1,)]
+    assert query(postgres_url, "SELECT COUNT(*) FROM extra") == [(1,)]
+
+    broken = "CREATE TABLE half (n INTEGER); INSERT INTO no_such_table VALUES (1);"
+    with pytest.raises(StoreFailed):
+        await PostgresStore.open(postgres_url, migrations=[*MIGRATIONS, extra, broken])
+    assert query(postgres_url, "SELECT version FROM sluice_schema") == [(len(MIGRATIONS) + 1,)]
+    assert query(postgres_url, "SELECT to_regclass('half')") == [(None,)]
+
+    # a database of a newer sluice is refused, not silently used
+    with pytest.raises(StoreFailed, match="newer"):
+        await PostgresStore.open(postgres_url)
+
+
+async def test_stores_opening_at_once_migrate_once(postgres_url: str) -> None:
+    extra = "CREATE TABLE extra (n INTEGER); INSERT INTO extra VALUES (1);"
+    stores = await asyncio.gather(
+        *(PostgresStore.open(postgres_url, migrations=[*MIGRATIONS, extra]) for _ in range(4))
+    )
+    try:
+        assert query(postgres_url, "SELECT COUNT(*) FROM extra") == [(1,)]
+        assert query(postgres_url, "SELECT version FROM sluice_schema") == [(len(MIGRATIONS) + 1,)]
+        assert len({s.instance for s in stores}) == 4
+        assert query(postgres_url, "SELECT COUNT(*) FROM instances") == [(4,)]
+    finally:
+        for store in stores:
+            await store.close()
+    assert query(postgres_url, "SELECT COUNT(*) FROM instances") == [(0,)]  # unregistered
+
+
+async def test_open_store_chooses_by_the_location(postgres_url: str, tmp_path: Path) -> None:
+    store = await open_store(postgres_url)
+    assert isinstance(store, PostgresStore) and store.shared
+    await store.close()
+    store = await open_store("postgres://" + postgres_url.removeprefix("postgresql://"))
+    assert isinstance(store, PostgresStore)
+    await store.close()
+    for location in (tmp_path / "a.db", str(tmp_path / "b.db"), ":memory:"):
+        store = await open_store(location)
+        assert isinstance(store, SQLiteStore) and not store.shared
+        await store.close()
+
+
+async def test_no_password_in_errors_or_logs(
+    postgres_server: PostgresServer, postgres_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    database = postgres_url.rsplit("/", 1)[1]
+    wrong = postgres_server.url(database, password="hunter2-wrong")
+    caplog.set_level(logging.DEBUG)
+    with pytest.raises(StoreFailed) as refused:
+        await open_store(wrong)
+    message = str(refused.value)
+    assert f"127.0.0.1:{postgres_server.port}/{database}" in message, message
+    assert "password authentication failed" in message
+    assert "hunter2" not in message and refused.value.__cause__ is None
+
+    with pytest.raises(StoreFailed, match="Could not open"):  # nobody listens there
+        await open_store("postgresql://u:hunter2-nobody@127.0.0.1:1/nothing")
+
+    async with await PostgresStore.open(postgres_url) as store:
+        assert store.location == f"postgresql://sluice@127.0.0.1:{postgres_server.port}/{database}"
+        await store.create_conversation(owner="k", user_id=None, model=None)
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert "migrated" in logged and store.location in logged
+    for secret in ("hunter2", PASSWORD):
+        assert secret not in logged
+    assert describe("postgresql://a:b%40c@h/d?sslmode=require") == "postgresql://a@h/d"
+
+
+async def test_a_conversation_continues_through_another_instance(postgres_url: str) -> None:
+    async with (
+        await PostgresStore.open(postgres_url) as one,
+        await PostgresStore.open(postgres_url) as two,
+    ):
+        conv = await one.create_conversation(owner="alice", user_id=None, model="m")
+        assert await two.get_conversation(conv.id, owner="alice", user_id=None) == conv
+
+        async def turns(store: PostgresStore, name: str) -> None:
+            for i in range(15):
+                await store.add_message(conv.id, NewMessage(role="user", content=f"{name}{i}"))
+
+        # both append to the one conversation at once: one unbroken chain of 30
+        await asyncio.gather(turns(one, "a"), turns(two, "b"))
+        stored = await one.messages(conv.id)
+        assert len(stored) == 30
+        assert await two.path(stored[-1].id) == stored
+        now = await two.get_conversation(conv.id, owner="alice", user_id=None)
+        assert now is not None and now.message_count == 30 and now.head_id == stored[-1].id
+
+
+def _response(response_id: str, status: str) -> StoredResponse:
+    body = {"id": response_id, "object": "response", "status": status, "output": []}
+    return StoredResponse(response_id, "alice", None, body, [], 1.0)
+
+
+async def test_a_live_instances_background_responses_are_not_ended(postgres_url: str) -> None:
+    error = {"code": "server_error", "message": "the server stopped"}
+    live = await PostgresStore.open(postgres_url, heartbeat=0.1, dead_after=2.0)
+    await live.put_response(_response("resp_live", "in_progress"))
+    await live.put_response(_response("resp_done", "completed"))
+
+    # a response of an instance that is gone, and one of an instance not seen for long
+    gone = await PostgresStore.open(postgres_url, heartbeat=60.0)
+    await gone.put_response(_response("resp_gone", "queued"))
+    await gone.close()
+    stale = await PostgresStore.open(postgres_url, heartbeat=60.0)
+    await stale.put_response(_response("resp_stale", "in_progress"))
+    query(
+        postgres_url,
+        f"UPDATE instances SET last_seen = now() - interval '1 hour' WHERE id = '{stale.instance}'",
+    )
+
+    async with await PostgresStore.open(postgres_url, heartbeat=0.1, dead_after=2.0) as new:
+        assert await new.end_unfinished_responses(error) == 2
+
+        async def status(response_id: str) -> str:
+            found = await new.get_response(response_id, owner="alice")
+            assert found is not None
+            return str(found.body["status"])
+
+        assert await status("resp_gone") == "failed"
+        assert await status("resp_stale") == "failed"
+        gone_now = await new.get_response("resp_gone", owner="alice")
+        assert gone_now is not None and gone_now.body["error"] == error
+        assert list(gone_now.body) == ["id", "object", "status", "output", "error"]
+        assert await status("resp_live") == "in_progress"  # its instance is alive
+        assert await status("resp_done") == "completed"
+        # the live one finishes through its own instance
+        await live.put_response(_response("resp_live", "completed"))
+        await live.put_response(_response("resp_live2", "in_progress"))
+        # ... and when an instance stops with one unfinished, the others' heartbeat ends it
+        await live.close()
+        for _ in range(100):
+            if await status("resp_live2") == "failed":
+                break
+            await asyncio.sleep(0.05)
+        assert await status("resp_live2") == "failed"
+        assert await status("resp_live") == "completed"
+    await stale.close()
+
+
+async def test_its_own_instance_id_is_ended_at_start(postgres_url: str) -> None:
+    first = await PostgresStore.open(postgres_url, instance="gateway-1")
+    await first.put_response(_response("resp_a", "in_progress"))
+    await first.close()
+    query(postgres_url, "INSERT INTO instances (id) VALUES ('gateway-1')")  # still "live"
+    async with await PostgresStore.open(postgres_url, instance="gateway-1") as again:
+        assert await again.end_unfinished_responses({"message": "stopped"}) == 1
+
+
+async def test_two_stores_admit_exactly_the_limit(postgres_url: str) -> None:
+    async with (
+        await PostgresStore.open(postgres_url) as one,
+        await PostgresStore.open(postgres_url) as two,
+    ):
+        for start in (5000.0, 5100.0, 5200.0, 5300.0, 5400.0):  # a race shows in some rounds
+            results = await asyncio.gather(
+                *(
+                    store.take_request("ci", limit=10, window=60.0, now=start)
+                    for store in [one, two] * 6
+                )
+            )
+            assert results.count(0.0) == 10, start
+
+
+_TAKER = textwrap.dedent(
+    """
+    import asyncio, sys, time
+    from sluice.store import open_store
+
+    async def main() -> None:
+        store = await open_store(sys.argv[1])
+        print("ready", flush=True)
+        sys.stdin.readline()  # both start at once
+        results = await asyncio.gather(
+            *(store.take_request("ci", limit=10, window=60.0, now=time.time()) for _ in range(6))
+        )
+        print(sum(1 for r in results if r == 0.0), flush=True)
+        await store.close()
+
+    asyncio.run(main())
+    """
+)
+
+
+def _two_processes_take(url: str) -> int:
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", _TAKER, url],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    try:
+        for child in children:
+            assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        for child in children:
+            assert child.stdin is not None
+            child.stdin.write("go\n")
+            child.stdin.flush()
+        return sum(int(child.communicate(timeout=60)[0].strip()) for child in children)
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+
+
+async def test_two_processes_admit_exactly_the_limit(postgres_url: str) -> None:
+    assert await asyncio.to_thread(_two_processes_take, postgres_url) == 10
+    assert query(postgres_url, "SELECT COUNT(*) FROM rate_requests") == [(10,)]
+
+
+async def test_a_writer_whose_connection_died_reconnects(postgres_url: str) -> None:
+    async with await PostgresStore.open(postgres_url) as store:
+        conv = await store.create_conversation(owner="k", user_id=None, model=None)
+        # the server ends every session of this database (a restart, a failover)
+        database = postgres_url.rsplit("/", 1)[1]
+        query(
+            postgres_url.rsplit("/", 1)[0] + "/postgres",
+            f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{database}'",
+        )
+        await asyncio.sleep(0.1)
+        message = await store.add_message(conv.id, NewMessage(role="user", content="after"))
+        assert [m.id for m in await store.messages(conv.id)] == [message.id]
