@@ -346,7 +346,9 @@ class Settings:
     store: str | None = setting(
         None,
         "store",
-        "SQLite file of the conversations (/c1) and stored responses",
+        "where the conversations (/c1), stored responses, usage and limits' counters are "
+        "kept: a SQLite file, or a postgresql://user:password@host/db URL that several "
+        "sluice instances share (docs/store.md)",
         shown="$XDG_DATA_HOME/sluice/sluice.db",
     )
     resume_grace: float = setting(

@@ -54,7 +54,7 @@ from sluice.server.auth import ADMIN, STATE_KEY, USER, ApiKeys, BearerAuth, name
 from sluice.server.respond import Handler, errors_as
 from sluice.server.sse import RawSend, error_response
 from sluice.server.state import build_state
-from sluice.store import SQLiteStore
+from sluice.store import open_store
 from sluice.web import WebPage
 
 log = logging.getLogger("sluice.api")
@@ -233,7 +233,7 @@ def create_app(
             await registry.load(default.name, progress=progress, ttl=0)
             await registry.start()
             await state.dispatcher.start()  # a first health check finds upstreams' models
-            state._store = await SQLiteStore.open(settings.store or default_store_path())
+            state._store = await open_store(settings.store or default_store_path())
             ended = await state._store.end_unfinished_responses(UNFINISHED)
             if ended:
                 log.warning(
