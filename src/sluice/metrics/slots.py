@@ -67,6 +67,11 @@ class Metrics:
         self.affinity: Callable[[], Mapping[str, tuple[Mapping[str, int], int]]] = dict
         self.registry.register(_AffinityCollector(lambda: self.affinity()))
         self._key_counters: dict[str, Any] = {}
+        # Who a request is for (its API key's name), read when its meter starts, and who
+        # hears of each request's end: (key, model, prompt, cached, completion, error).
+        # The server sets both (the usage ledger, models/usage.py).
+        self.caller: Callable[[], str] = str
+        self.on_end: Callable[[str, str, int, int, int, bool], None] | None = None
         self._by_key = Counter(
             "sluice_requests_by_key",
             "Requests that passed the API key check, by the key's name.",
@@ -93,6 +98,7 @@ class Metrics:
                 clock=self._clock,
                 ttft=self._ttft.labels(slot=name),
                 duration=self._duration.labels(slot=name),
+                owner=self,
             )
         else:
             slot.kind = kind
@@ -127,7 +133,9 @@ class SlotMetrics:
         clock: Callable[[], float],
         ttft: Histogram,
         duration: Histogram,
+        owner: Metrics | None = None,
     ) -> None:
+        self.owner = owner  # the Metrics it belongs to: who hears of the requests' ends
         self.name = name
         self.kind: SlotKind = kind
         self.in_flight = 0
@@ -261,6 +269,9 @@ class RequestMeter:
         self._finished = False
         self._first_at = 0.0
         self._counted = 0  # output tokens counted live, before the usage correction
+        owner = slot.owner
+        self._key = "" if owner is None else owner.caller()
+        self.model = slot.name  # the model's name in usage (an upstream slot's may differ)
         slot.in_flight += 1
         slot.queued += 1
 
@@ -313,9 +324,11 @@ class RequestMeter:
         prompt_tokens: int | None = None,
         completion_tokens: int | None = None,
         error: bool = False,
+        cached_tokens: int | None = None,
     ) -> None:
         """End the request (once): latency, outcome, tokens in, and the exact
-        ``completion_tokens`` (from usage) replacing the live count."""
+        ``completion_tokens`` (from usage) replacing the live count. The owner's
+        ``on_end`` hears of it (the usage ledger)."""
         if self._finished:
             return
         self._finished = True
@@ -326,12 +339,18 @@ class RequestMeter:
                 slot._add_tokens(difference)
             elif difference < 0:
                 slot._remove_tokens(-difference)
+        prompt = max(prompt_tokens or 0, 0)
         slot._finish(
             self._clock() - self._admitted,
             started=self._started,
             error=error,
-            prompt_tokens=max(prompt_tokens or 0, 0),
+            prompt_tokens=prompt,
         )
+        owner = slot.owner
+        if owner is not None and owner.on_end is not None:
+            completion = self._counted if completion_tokens is None else completion_tokens
+            cached = min(max(cached_tokens or 0, 0), prompt)
+            owner.on_end(self._key, self.model, prompt, cached, max(completion, 0), error)
 
 
 # -- Prometheus ---------------------------------------------------------------------

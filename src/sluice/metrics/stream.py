@@ -45,6 +45,7 @@ class MeteredStream:
         # Start gives each choice's prompt size; usage (when it comes) is exact.
         self._prompt: dict[int, int] = {}
         self._completion: dict[int, int] = {}
+        self._cached: dict[int, int] = {}
         self._iterator: AsyncGenerator[Event, None] | None = None
         self._interrupt = Interrupt()  # cancel() ends the consumer's wait for an event
 
@@ -129,6 +130,7 @@ class MeteredStream:
             case Finish(usage=usage) if usage is not None:
                 self._prompt[usage.choice] = usage.prompt_tokens
                 self._completion[usage.choice] = usage.completion_tokens
+                self._cached[usage.choice] = usage.cached_tokens
             case ErrorEvent():
                 self._error = True
                 self._finish()
@@ -139,10 +141,12 @@ class MeteredStream:
         # Usage for only some choices (an abort) would undercount the others: then
         # the live count stands.
         exact = len(self._completion) >= self.meta.choices
+        owners = self.meta.prompt_owners
         self.meter.finish(
             prompt_tokens=self.prompt_tokens,
             completion_tokens=sum(self._completion.values()) if exact else None,
             error=self._error,
+            cached_tokens=sum(n for choice, n in self._cached.items() if choice in owners),
         )
         if self.on_end is not None:
             self.on_end()

@@ -29,6 +29,7 @@ class OpenAIChunkTap:
         self._error = False
         self._prompt: int | None = None
         self._completion: int | None = None
+        self._cached: int | None = None
         self._named = False
         self.on_id: Callable[[str], None] | None = None  # hears the response's id once
 
@@ -93,6 +94,7 @@ class OpenAIChunkTap:
             prompt_tokens=self._prompt,
             completion_tokens=self._completion,
             error=error or self._error,
+            cached_tokens=self._cached,
         )
 
     def ended(self, data: Mapping[str, Any]) -> bool:
@@ -111,6 +113,12 @@ class OpenAIChunkTap:
             self._prompt = prompt
         if _is_count(completion):
             self._completion = completion
+        self._cached_in(usage.get("prompt_tokens_details"), "cached_tokens")
+
+    def _cached_in(self, details: object, field: str) -> None:
+        """The prompt's cached tokens, where a usage object's ``details`` give them."""
+        if isinstance(details, Mapping) and _is_count(details.get(field)):
+            self._cached = details[field]
 
 
 class _SplitTap(OpenAIChunkTap):
@@ -166,6 +174,7 @@ class AnthropicEventTap(_SplitTap):
                 if _is_count(cached):
                     prompt += cached
             self._prompt = prompt
+            self._cached_in(usage, "cache_read_input_tokens")
         output = usage.get("output_tokens")
         if _is_count(output):
             self._completion = output
@@ -209,6 +218,7 @@ class ResponsesEventTap(_SplitTap):
             self._prompt = usage["input_tokens"]
         if _is_count(usage.get("output_tokens")):
             self._completion = usage["output_tokens"]
+        self._cached_in(usage.get("input_tokens_details"), "cached_tokens")
 
 
 class GeminiRecordTap(_SplitTap):
@@ -253,6 +263,7 @@ class GeminiRecordTap(_SplitTap):
             return
         if _is_count(usage.get("promptTokenCount")):
             self._prompt = usage["promptTokenCount"]
+        self._cached_in(usage, "cachedContentTokenCount")
         answer = usage.get("candidatesTokenCount")
         if _is_count(answer):
             thoughts = usage.get("thoughtsTokenCount")

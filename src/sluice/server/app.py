@@ -13,7 +13,7 @@ import gc
 import ipaddress
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, cast
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -21,7 +21,7 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sluice.config import Settings, default_store_path
 from sluice.config.file import ConfigFile
@@ -31,7 +31,7 @@ from sluice.core.errors import (
     NotFound,
     SluiceError,
 )
-from sluice.dialects import flights, ops
+from sluice.dialects import flights, ops, usage
 from sluice.dialects.anthropic import format as anthropic_format
 from sluice.dialects.anthropic import routes as anthropic
 from sluice.dialects.gateway import routes as gateway
@@ -50,10 +50,12 @@ from sluice.dialects.responses import routes as responses
 from sluice.engine.runner import ModelRunner
 from sluice.local.model import LocalModel
 from sluice.models.flights import CALLER, Caller
+from sluice.models.limits import Counters, Limiter, MemoryCounters
+from sluice.models.usage import UsageLedger
 from sluice.server.auth import ADMIN, STATE_KEY, USER, ApiKeys, BearerAuth, names_line
 from sluice.server.respond import Handler, errors_as
 from sluice.server.sse import RawSend, error_response
-from sluice.server.state import build_state
+from sluice.server.state import ServerState, build_state
 from sluice.store import open_store
 from sluice.web import WebPage
 
@@ -106,21 +108,53 @@ def dialect_of(path: str) -> str:
 
 class _NameCaller:
     """Sets :data:`~sluice.models.flights.CALLER` for the request: its key's name (set by
-    ``BearerAuth``, outside) and its dialect; what it opens is in flight under them."""
+    ``BearerAuth``, outside), its dialect and its key's limits; what it opens is in flight
+    under them."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, limiter: Limiter) -> None:
         self.app = app
+        self.limiter = limiter
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         key = str(scope.get("state", {}).get(STATE_KEY, ""))
-        token = CALLER.set(Caller(key, dialect_of(scope["path"])))
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            CALLER.reset(token)
+        await _serve_as(
+            self.limiter, key, dialect_of(scope["path"]), self.app, scope, receive, send
+        )
+
+
+async def _serve_as(
+    limiter: Limiter,
+    key: str,
+    dialect: str,
+    app: ASGIApp,
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+) -> None:
+    """``app`` answers the request as ``key``'s in ``dialect`` (:data:`CALLER`). A key with
+    limits gets a gate (``models/limits.py``): its rate-limit headers go out with the
+    answer, and it is released once the answer has been sent."""
+    gate = limiter.gate(key, dialect) if limiter else None
+    token = CALLER.set(Caller(key, dialect, gate))
+    try:
+        if gate is None:
+            await app(scope, receive, send)
+            return
+
+        async def send_with_limits(message: Message) -> None:
+            if message["type"] == "http.response.start" and gate.headers:
+                extra = [(k.encode(), v.encode()) for k, v in gate.headers.items()]
+                message["headers"] = [*message.get("headers", ()), *extra]
+            await send(message)
+
+        await app(scope, receive, send_with_limits)
+    finally:
+        CALLER.reset(token)
+        if gate is not None:
+            gate.release()
 
 
 class _FastLane:
@@ -131,8 +165,9 @@ class _FastLane:
     handlers would (the OpenAI shape); the caller is named as :class:`_NameCaller`
     does. Any other request goes to the app."""
 
-    def __init__(self, app: Starlette) -> None:
+    def __init__(self, app: Starlette, limiter: Limiter) -> None:
         self.app = app
+        self.limiter = limiter
         self.handlers: dict[str, Handler] = {
             "/v1/chat/completions": errors_as(error_response)(openai.chat_completions),
             "/v1/completions": errors_as(error_response)(openai.completions),
@@ -141,18 +176,17 @@ class _FastLane:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.app, name)
 
+    async def _answer(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = await self.handlers[scope["path"]](Request(scope, receive, send))
+        await response(scope, receive, send)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
             handler = self.handlers.get(scope["path"])
             if handler is not None:
                 scope["app"] = self.app  # request.app: the state
                 key = str(scope.get("state", {}).get(STATE_KEY, ""))
-                token = CALLER.set(Caller(key, "openai"))
-                try:
-                    response = await handler(Request(scope, receive, send))
-                    await response(scope, receive, send)
-                finally:
-                    CALLER.reset(token)
+                await _serve_as(self.limiter, key, "openai", self._answer, scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -206,6 +240,21 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def _ledger(state: ServerState, limiter: Limiter) -> UsageLedger:
+    """The usage ledger on the state's store, fed by every request's meter; the limits
+    charged from it, and counted by the store when several instances share it."""
+    store = state.store
+    if getattr(store, "shared", False):
+        limiter.counters = cast(Counters, store)
+        limiter.shared = True
+    ledger = UsageLedger(store, limiter)
+    limiter.spent = ledger.spent
+    metrics = state.metrics
+    metrics.caller = lambda: CALLER.get().key
+    metrics.on_end = ledger.record
+    return ledger
+
+
 def create_app(
     settings: Settings,
     runner_factory: Callable[[Settings], ModelRunner] | None = None,
@@ -218,6 +267,8 @@ def create_app(
     # The config file is read once, here; each package is handed its table.
     config = ConfigFile.read(settings.config) if settings.config else None
     keys = ApiKeys.from_settings(settings, config=config)
+    # Limits per key: counted in memory until the store says it shares its counters.
+    limiter = Limiter(keys.limits, MemoryCounters())
     page = WebPage.load()
 
     @contextlib.asynccontextmanager
@@ -234,6 +285,8 @@ def create_app(
             await registry.start()
             await state.dispatcher.start()  # a first health check finds upstreams' models
             state._store = await open_store(settings.store or default_store_path())
+            state.usage = _ledger(state, limiter)
+            await state.usage.start()
             ended = await state._store.end_unfinished_responses(UNFINISHED)
             if ended:
                 log.warning(
@@ -278,6 +331,8 @@ def create_app(
             await state.runs.close()  # background responses end (stored as cancelled)
             await state.dispatcher.close()
             await state.mcp.close()  # plugin servers stop (stdio children end)
+            if state.usage is not None:
+                await state.usage.close()  # after the streams: every request counted
             await state.store.close()  # after the streams: their turns are recorded first
             await registry.close()
             state.offload.close()
@@ -354,6 +409,7 @@ def create_app(
             ),
             Route("/v1/info", ops.catalog, methods=["GET"]),
             Route("/v1/requests", flights.list_requests, methods=["GET"]),
+            Route("/v1/usage", usage.usage, methods=["GET"]),
             Route("/v1/requests/{request_id}/cancel", flights.cancel_request, methods=["POST"]),
             Route("/metrics", ops.metrics, methods=["GET"]),
             Route("/health", ops.health, methods=["GET"]),
@@ -378,7 +434,7 @@ def create_app(
             *page.routes,  # the chat page: / and /ui/...
         ],
         lifespan=lifespan,
-        middleware=[Middleware(_NameCaller)],
+        middleware=[Middleware(_NameCaller, limiter=limiter)],
         exception_handlers={
             HTTPException: on_http_error,
             SluiceError: on_sluice_error,
@@ -390,7 +446,7 @@ def create_app(
     if keys:
         log.info("admin keys (may manage models): %s", ", ".join(admins) or "none")
     open_admin = is_loopback(settings.host) or settings.allow_unauthenticated_admin
-    fast = _FastLane(app)
+    fast = _FastLane(app, limiter)
     if not keys and open_admin:
         return RawSend(fast)  # type: ignore[return-value]
     if not keys:

@@ -34,6 +34,7 @@ from sluice.models.downloads import DownloadManager
 from sluice.models.gguf import estimate_memory, read_gguf_info
 from sluice.models.images import ImageFetcher
 from sluice.models.registry import ModelRegistry
+from sluice.models.usage import UsageLedger
 from sluice.server.body import read_request_body
 from sluice.server.jsonbody import BodyLimits, parse_json_body
 from sluice.server.runs import Runs
@@ -60,6 +61,8 @@ class ServerState:
     draining: bool = False
     # Responses generating beyond their request (background, resumable streams)
     runs: Runs = field(default_factory=Runs)
+    # requests and tokens per key, model and day (GET /v1/usage); opened with the store
+    usage: UsageLedger | None = None
 
     @property
     def store(self) -> ConversationStore:

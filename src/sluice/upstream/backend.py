@@ -228,7 +228,9 @@ class UpstreamModel:
         the body of an OpenAI chat or completions stream (``path``), whose answer is
         then continued by another replica if this one drops it (``failover``)."""
         pool = self.slot.pool
-        answer = Passthrough(tap(self.slot.metrics.request()), self.slot.name, self.name)
+        meter = self.slot.metrics.request()
+        meter.model = self.name  # usage is by the upstream's name for the model
+        answer = Passthrough(tap(meter), self.slot.name, self.name)
         if resume is not None and self.slot.spec.failover and pool.size > 1:
             chat = path == "/chat/completions"
             answer.resume = Resume(pool, path, resume, headers, key, chat)
