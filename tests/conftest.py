@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
+from tests.support.postgres import PostgresServer, find_bin
 from tests.support.real_server import QUIET, wait_idle
 from tests.support.relay import Relay
 from tests.support.servers import serve_process
@@ -70,3 +71,22 @@ def model_id(base: str) -> str:
     import httpx
 
     return str(httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"])
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer]:
+    if find_bin("initdb") is None:
+        reason = "PostgreSQL is not installed (Debian: apt-get install postgresql)"
+        if os.environ.get("SLUICE_REQUIRE_POSTGRES") == "1":
+            pytest.fail(f"SLUICE_REQUIRE_POSTGRES=1 but {reason}")
+        pytest.skip(reason)
+    with PostgresServer.start() as server:
+        yield server
+
+
+@pytest.fixture
+def postgres_url(postgres_server: PostgresServer) -> Iterator[str]:
+    """A fresh database's URL (the password in it)."""
+    url = postgres_server.create_database()
+    yield url
+    postgres_server.drop_database(url)

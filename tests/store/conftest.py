@@ -1,7 +1,7 @@
 """The store's tests run on both databases: ``backend`` is SQLite, then PostgreSQL.
 
-One real PostgreSQL server serves the whole session (tests/support/postgres.py); each
-test gets a database of its own. Without PostgreSQL installed its tests skip, unless
+One real PostgreSQL server serves the whole session (``postgres_server`` in
+tests/conftest.py); each test gets a database of its own. Without PostgreSQL installed its tests skip, unless
 ``SLUICE_REQUIRE_POSTGRES=1`` (CI sets it): then they fail.
 """
 
@@ -9,38 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from sluice.store import PostgresStore, SQLiteStore, open_store
-from tests.support.postgres import PostgresServer, find_bin
 
 Store = SQLiteStore | PostgresStore
-
-
-@pytest.fixture(scope="session")
-def postgres_server() -> Iterator[PostgresServer]:
-    if find_bin("initdb") is None:
-        reason = "PostgreSQL is not installed (Debian: apt-get install postgresql)"
-        if os.environ.get("SLUICE_REQUIRE_POSTGRES") == "1":
-            pytest.fail(f"SLUICE_REQUIRE_POSTGRES=1 but {reason}")
-        pytest.skip(reason)
-    with PostgresServer.start() as server:
-        yield server
-
-
-@pytest.fixture
-def postgres_url(postgres_server: PostgresServer) -> Iterator[str]:
-    """A fresh database's URL (the password in it)."""
-    url = postgres_server.create_database()
-    yield url
-    postgres_server.drop_database(url)
 
 
 class Backend:

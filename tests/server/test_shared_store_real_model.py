@@ -1,0 +1,113 @@
+"""Two sluice processes on one PostgreSQL database serve as one: a ``/c1`` conversation
+started through one continues through the other, a 10-a-minute key gets exactly 10 of
+12 requests through when they are spread over both, usage counted on one is read on
+the other, and a background response started on one is read from the other."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.support.postgres import PostgresServer
+from tests.support.real_server import QUIET
+from tests.support.servers import serve_process
+
+pytestmark = pytest.mark.integration
+
+ADMIN = "sk-admin-shared-01"
+TEN = "sk-ten-shared-0001"
+HI = [{"role": "user", "content": "Hi"}]
+
+
+def _auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@pytest.fixture(scope="module")
+def pair(
+    postgres_server: PostgresServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, str]]:
+    url = postgres_server.create_database()
+    conf: Path = tmp_path_factory.mktemp("shared") / "sluice.toml"
+    conf.write_text(f'[keys]\nadmin = "{ADMIN}"\nten = {{ key = "{TEN}", rpm = 10 }}\n')
+    args = ("--config", str(conf), "--store", url, *QUIET)
+    try:
+        with serve_process(*args) as one, serve_process(*args) as two:
+            yield one, two
+    finally:
+        postgres_server.drop_database(url)
+
+
+def turn(base: str, message: str, **extra: object) -> httpx.Response:
+    body = {"model": "smollm2", "message": message, "max_tokens": 8, "temperature": 0, **extra}
+    answer = httpx.post(f"{base}/c1/chat", json=body, headers=_auth(ADMIN), timeout=60)
+    assert answer.status_code == 200, answer.text
+    return answer
+
+
+def test_a_conversation_continues_through_the_other_instance(pair: tuple[str, str]) -> None:
+    one, two = pair
+    first = turn(one, "My name is Ada.")
+    conversation = first.headers["x-conversation-id"]
+    second = turn(two, "What is my name?", conversation_id=conversation)
+    assert second.headers["x-conversation-id"] == conversation
+    # Templated over the history the first instance stored: more prompt than its own text.
+    assert second.json()["usage"]["prompt_tokens"] > first.json()["usage"]["prompt_tokens"]
+    turn(one, "Thanks.", conversation_id=conversation)
+    for base in pair:
+        stored = httpx.get(f"{base}/c1/conversations/{conversation}", headers=_auth(ADMIN))
+        messages = stored.json()["messages"]
+        assert [m["role"] for m in messages] == ["user", "assistant"] * 3
+        assert messages[2]["content"] == "What is my name?"
+        assert messages[2]["parent_id"] == messages[1]["id"]
+
+
+def test_a_limit_holds_across_both_instances(pair: tuple[str, str]) -> None:
+    outcomes = []
+    for i in range(12):
+        base = pair[i % 2]
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key=TEN, max_retries=0)
+        try:
+            client.chat.completions.create(model="smollm2", messages=HI, max_tokens=1)  # type: ignore[arg-type]
+            outcomes.append(200)
+        except openai.RateLimitError as refused:
+            assert refused.code == "rate_limit_exceeded"
+            outcomes.append(429)
+    assert outcomes.count(200) == 10 and outcomes[-2:] == [429, 429], outcomes
+
+
+def test_usage_counted_on_one_is_read_on_the_other(pair: tuple[str, str]) -> None:
+    one, two = pair
+    client = openai.OpenAI(base_url=f"{one}/v1", api_key=ADMIN, max_retries=0)
+    answer = client.chat.completions.create(model="smollm2", messages=HI, max_tokens=2)  # type: ignore[arg-type]
+    assert answer.usage is not None
+
+    def admin_requests(base: str) -> int:
+        got = httpx.get(f"{base}/v1/usage?key=admin", headers=_auth(ADMIN), timeout=10)
+        return int(got.json()["totals"]["requests"])
+
+    # The first instance writes its counts within a second; the second reads the database.
+    deadline = time.monotonic() + 10
+    while admin_requests(two) != admin_requests(one):
+        assert time.monotonic() < deadline, "the other instance never saw the usage"
+        time.sleep(0.3)
+    assert admin_requests(two) >= 1
+
+
+def test_a_background_response_is_read_from_the_other_instance(pair: tuple[str, str]) -> None:
+    one, two = pair
+    created = openai.OpenAI(base_url=f"{one}/v1", api_key=ADMIN).responses.create(
+        model="smollm2", input="Say hello.", max_output_tokens=8, background=True
+    )
+    other = openai.OpenAI(base_url=f"{two}/v1", api_key=ADMIN)
+    deadline = time.monotonic() + 60
+    while (got := other.responses.retrieve(created.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline
+        time.sleep(0.3)
+    # (8 tokens: it may stop at its max_output_tokens, "incomplete": an end all the same.)
+    assert got.status in ("completed", "incomplete") and got.output_text
