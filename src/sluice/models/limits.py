@@ -133,11 +133,14 @@ class Counters(Protocol):
 
 
 class MemoryCounters:
-    """:class:`Counters` in this process's memory (one instance: the SQLite default)."""
+    """:class:`Counters` in this process's memory (one instance: the SQLite default).
+    Each key's tokens keep a running sum, so a check costs what has expired, not what
+    the minute holds."""
 
     def __init__(self) -> None:
         self._requests: dict[str, deque[float]] = {}
         self._tokens: dict[str, deque[tuple[float, int]]] = {}
+        self._token_sums: dict[str, int] = {}
 
     def requests_in(self, key: str, since: float) -> tuple[int, float | None]:
         """Requests taken after ``since``, and the newest one's time."""
@@ -161,14 +164,21 @@ class MemoryCounters:
     def note_tokens(self, key: str, tokens: int, now: float) -> None:
         if tokens > 0:
             self._tokens.setdefault(key, deque()).append((now, tokens))
+            self._token_sums[key] = self._token_sums.get(key, 0) + tokens
 
     async def tokens_since(self, key: str, since: float) -> tuple[int, float | None]:
+        return self.tokens_in(key, since)
+
+    def tokens_in(self, key: str, since: float) -> tuple[int, float | None]:
+        """:meth:`tokens_since`, without a wait; also the newest record's time."""
         used = self._tokens.get(key)
         if not used:
             return 0, None
+        total = self._token_sums[key]
         while used and used[0][0] <= since:
-            used.popleft()
-        return sum(n for _, n in used), (used[0][0] if used else None)
+            total -= used.popleft()[1]
+        self._token_sums[key] = total
+        return total, (used[0][0] if used else None)
 
 
 def _drop_before(times: deque[float], since: float) -> None:
@@ -350,22 +360,11 @@ class Limiter:
             reset = 0.0 if newest is None else max(newest + WINDOW - now, 0.0)
             _put(out, style, "requests", limits.rpm, limits.rpm - count, reset, now)
         if limits.tpm is not None:
-            used, oldest = _peek_tokens(self.counters, self._local, key, now)
-            reset = 0.0 if oldest is None else max(oldest + WINDOW - now, 0.0)
+            used, _ = self._local.tokens_in(key, now - WINDOW)
+            records = self._local._tokens.get(key)
+            reset = max(records[-1][0] + WINDOW - now, 0.0) if records else 0.0
             _put(out, style, "tokens", limits.tpm, limits.tpm - used, reset, now)
         return out
-
-
-def _peek_tokens(
-    counters: Counters, local: MemoryCounters, key: str, now: float
-) -> tuple[int, float | None]:
-    """Tokens in the last minute as this instance knows them, without a wait."""
-    source = counters if isinstance(counters, MemoryCounters) else local
-    used = source._tokens.get(key)
-    if not used:
-        return 0, None
-    recent = [(at, n) for at, n in used if at > now - WINDOW]
-    return sum(n for _, n in recent), (recent[-1][0] if recent else None)
 
 
 def _put(
