@@ -41,7 +41,11 @@ GROUPS: tuple[tuple[str, str, str], ...] = (
         "server-side tools",
         "LM Studio's /api/v1/chat integrations over MCP; off unless enabled",
     ),
-    ("store", "store", "the SQLite file of conversations (/c1) and stored responses"),
+    (
+        "store",
+        "store",
+        "conversations (/c1), stored responses and usage: a SQLite file or a PostgreSQL URL",
+    ),
 )
 
 
