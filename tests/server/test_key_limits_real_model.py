@@ -229,3 +229,23 @@ def test_usage_is_per_key_and_a_user_key_sees_its_own(base: str) -> None:
     every = usage(ADMIN).json()["data"]
     assert {"free", "five"} <= {row["key"] for row in every}
     assert usage(ADMIN, "?since=yesterday").status_code == 400
+
+
+@pytest.mark.parametrize(
+    ("path", "names"),
+    [
+        ("/v1/models", lambda j: [m["id"] for m in j["data"]]),
+        ("/v1/info", lambda j: [m["id"] for m in j["models"]]),
+        ("/api/tags", lambda j: [m["name"] for m in j["models"]]),
+        ("/api/v1/models", lambda j: [m["key"] for m in j["models"]]),
+        ("/v1beta/models", lambda j: [m["name"] for m in j.get("models", [])]),
+    ],
+)
+def test_the_model_lists_show_a_key_only_its_models(base: str, path: str, names: Any) -> None:
+    def listed(key: str) -> list[str]:
+        answer = httpx.get(f"{base}{path}", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        assert answer.status_code == 200, answer.text
+        return [str(n) for n in names(answer.json())]
+
+    assert any("smollm2" in n for n in listed(FREE))
+    assert listed(PICKY) == []

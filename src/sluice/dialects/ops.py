@@ -127,7 +127,7 @@ def _upstream(state: ServerState, public: str, slot: UpstreamSlot, model: str) -
 
 async def catalog(request: Request) -> Response:
     state = server_state(request)
-    specs = {spec.name: spec for spec in state.registry.known()}
+    specs = {spec.name: spec for spec in state.dispatcher.known()}
     listed = [(specs[s.name], s) for s in state.registry.status() if s.name in specs]
     files = await state.offload.run(
         lambda: read_all_model_files([spec for spec, _ in listed], state.settings)

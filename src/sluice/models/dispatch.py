@@ -32,6 +32,7 @@ from typing import Any, Literal, Protocol
 
 from sluice.core.backend import Backend, Embeddings, LoadOptions, Progress, ResponseStream
 from sluice.core.errors import ModelNotFound, SluiceError, spec_for
+from sluice.core.model import ModelSpec
 from sluice.core.request import GenerationRequest
 from sluice.metrics import Metrics, OpenAIChunkTap, RequestMeter, metered
 from sluice.models.flights import CALLER, Flights, Waiting
@@ -170,12 +171,30 @@ class Dispatcher:
         for slot in self.upstreams:
             await slot.close()
 
+    def known(self) -> list[ModelSpec]:
+        """Every local model the caller may use (``registry.known``, re-read), for the
+        model lists: a key limited to some models sees only those."""
+        gate = CALLER.get().gate
+        specs = self.registry.known()
+        if gate is None or gate.limits.models is None:
+            return specs
+        return [spec for spec in specs if self._may_use(gate, spec.name)]
+
     def upstream_models(self) -> list[tuple[str, UpstreamSlot, str]]:
-        """(public id, slot, upstream name) for every upstream model a client can reach.
+        """(public id, slot, upstream name) for every upstream model the caller can reach.
 
         A model shadowed by a local model of the same name is listed under its first
-        alias, or not at all when it has none.
+        alias, or not at all when it has none. A key limited to some models sees those.
         """
+        gate = CALLER.get().gate
+        listed = None if gate is None else gate.limits.models
+        return [
+            (public, slot, model)
+            for public, slot, model in self._upstream_models()
+            if listed is None or any(slot.lookup(name) == model for name in listed)
+        ]
+
+    def _upstream_models(self) -> list[tuple[str, UpstreamSlot, str]]:
         out: list[tuple[str, UpstreamSlot, str]] = []
         for slot in self.upstreams:
             models = slot.models()

@@ -296,7 +296,7 @@ async def _catalog(state: ServerState, only: str | None = None) -> list[dict[str
     """Every model (``only``: that one), local ones with the window a load gives them
     (their file read off the loop), upstream ones with what their server says (0:
     unknown)."""
-    specs = [s for s in state.registry.known() if only in (None, s.name)]
+    specs = [s for s in state.dispatcher.known() if only in (None, s.name)]
     files = await state.offload.run(lambda: read_all_model_files(specs, state.settings))
     out = []
     for spec in specs:

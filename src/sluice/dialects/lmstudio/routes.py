@@ -177,7 +177,7 @@ def _config(config: dict[str, Any]) -> dict[str, Any]:
 @_lmstudio
 async def list_models(request: Request) -> Response:
     state = server_state(request)
-    specs = {spec.name: spec for spec in state.registry.known()}
+    specs = {spec.name: spec for spec in state.dispatcher.known()}
     # A loaded model whose file vanished has no spec to read: not listed (as on disk).
     listed = [(specs[s.name], s) for s in state.registry.status() if s.name in specs]
     files = await state.offload.run(

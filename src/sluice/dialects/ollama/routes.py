@@ -231,7 +231,7 @@ async def version(request: Request) -> Response:
 
 
 async def _files(state: ServerState) -> tuple[list[ModelSpec], dict[str, ModelFile | None]]:
-    specs = state.registry.known()
+    specs = state.dispatcher.known()
     files = await state.offload.run(lambda: read_all_model_files(specs, state.settings))
     return specs, files
 

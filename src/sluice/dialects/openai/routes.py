@@ -225,7 +225,7 @@ def _model_entry(state: ServerState, spec: ModelSpec, status: ModelStatus) -> di
 def _models(state: ServerState) -> list[tuple[ModelSpec, ModelStatus]]:
     """Every known model: the default first (clients often take the first entry as
     "the" model), then the loaded ones, then the rest."""
-    specs = {spec.name: spec for spec in state.registry.known()}
+    specs = {spec.name: spec for spec in state.dispatcher.known()}
     default = state.registry.resolve(None).name
     listed = [(specs[s.name], s) for s in state.registry.status() if s.name in specs]
     return sorted(listed, key=lambda m: (m[0].name != default, m[1].state != "loaded"))
