@@ -55,6 +55,7 @@ import os
 import struct
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -334,34 +335,43 @@ def cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache/sluice-test/projectors"
 
 
-def colour_projector(model: PackagedModel) -> Path:
-    """The colour projector of a packaged model (``"smollm2"``: mlp; ``"gemma3"``: gemma3).
-
-    Built once into :func:`cache_dir`, named by the model file's size and mtime and
-    :data:`VERSION`; written to a temporary name and renamed, so concurrent test workers
-    never see half a file.
-    """
-    from sluice.models.catalog import resolve_model
-
-    name, kind = _PACKAGED[model]
-    model_path = resolve_model(name).path
+def cached_projector(name: str, model_path: Path, tag: str, make: Callable[[Path], object]) -> Path:
+    """The projector ``make(path)`` writes, built once into :func:`cache_dir` as
+    ``mmproj-{name}-<digest>.gguf``, the digest naming ``tag`` (the generator's version and
+    kind) and the model file's path, size and mtime; written to a temporary name and
+    renamed, so concurrent test workers never see half a file."""
     st = model_path.stat()
-    key = f"{VERSION}|{kind}|{model_path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    key = f"{tag}|{model_path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     folder = cache_dir()
-    target = folder / f"mmproj-colour-{model}-{digest}.gguf"
+    target = folder / f"mmproj-{name}-{digest}.gguf"
     if target.is_file():
         return target
     folder.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{target.name}.", suffix=".part")
     os.close(fd)
     try:
-        make_projector(model_path, Path(tmp), kind)
+        make(Path(tmp))
         os.chmod(tmp, 0o644)  # mkstemp makes it 0600
         os.replace(tmp, target)
     finally:
         Path(tmp).unlink(missing_ok=True)
     return target
+
+
+def colour_projector(model: PackagedModel) -> Path:
+    """The colour projector of a packaged model (``"smollm2"``: mlp; ``"gemma3"``: gemma3),
+    built once into :func:`cache_dir` (:func:`cached_projector`, :data:`VERSION`)."""
+    from sluice.models.catalog import resolve_model
+
+    name, kind = _PACKAGED[model]
+    model_path = resolve_model(name).path
+    return cached_projector(
+        f"colour-{model}",
+        model_path,
+        f"{VERSION}|{kind}",
+        lambda out: make_projector(model_path, out, kind),
+    )
 
 
 def solid_png(rgb: tuple[int, int, int], size: int = 64) -> bytes:
