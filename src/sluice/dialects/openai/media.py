@@ -13,7 +13,8 @@ answered by the model itself (:func:`transcribe`): OpenAI's form (``file`` a WAV
 ``model``, ``prompt``, ``language``, ``temperature``, ``response_format`` ``json``,
 ``text``, ``verbose_json``, ``srt`` or ``vtt``) as one chat turn that asks for the
 transcript, the clip an ``input_audio`` part. There are no timestamps:
-``verbose_json``, ``srt`` and ``vtt`` give one segment spanning the clip.
+``verbose_json``, ``srt`` and ``vtt`` give one segment spanning the clip, and the
+transcript is cut at 64 tokens plus 8 a second of audio.
 
 Example::
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 from typing import Any
 
 import httpx
@@ -140,6 +142,9 @@ async def media(request: Request) -> Response:
 
 FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
 ASK = "Transcribe this audio word for word. Answer with the transcript alone."
+# A transcript's length follows its clip's (speech is a few tokens a second): a model that
+# does not stop is cut there, not at the end of its context.
+TOKENS_BASE, TOKENS_PER_SECOND = 64, 8
 FormFile = tuple[str, tuple[str | None, bytes, str | None]]
 
 
@@ -184,6 +189,7 @@ async def transcribe(
         model=model,
         messages=[{"role": "user", "content": content}],
         sampling=SamplingParams(temperature=temperature),
+        max_tokens=TOKENS_BASE + math.ceil(TOKENS_PER_SECOND * sound.seconds),
     )
     lease, stream = await state.dispatcher.open(neutral)
     try:
