@@ -29,12 +29,13 @@ from sluice.store.models import (
     MessageStatus,
     NewMessage,
     StoreClosed,
+    StoredEvents,
     StoredResponse,
     StoreFailed,
     UnknownConversation,
     UsageRow,
 )
-from sluice.store.repository import ConversationStore
+from sluice.store.repository import ConversationStore, RunEvents
 from sluice.store.schema import MIGRATIONS
 from sluice.store.sqlite import SQLiteStore
 
@@ -75,9 +76,11 @@ __all__ = [
     "MessageStatus",
     "NewMessage",
     "PostgresStore",
+    "RunEvents",
     "SQLiteStore",
     "StoreClosed",
     "StoreFailed",
+    "StoredEvents",
     "StoredResponse",
     "UnknownConversation",
     "UsageRow",

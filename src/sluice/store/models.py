@@ -129,6 +129,23 @@ class StoredResponse:
 
 
 @dataclass(frozen=True, slots=True)
+class StoredEvents:
+    """A running (or ended) response's stored events after some sequence number, as
+    :meth:`~sluice.store.repository.RunEvents.events_after` reads them.
+
+    ``body`` and ``unfinished`` were read *before* ``frames``: when ``unfinished`` is
+    False, ``frames`` holds every event the run stored. ``frames``: ``(seq, frame)``
+    in order; ``last``: the run's last stored event, None if it stored none (or its
+    events were pruned).
+    """
+
+    body: dict[str, Any]
+    unfinished: bool
+    frames: list[tuple[int, bytes]]
+    last: tuple[int, bytes] | None
+
+
+@dataclass(frozen=True, slots=True)
 class UsageRow:
     """What one API key used of one model on one day (UTC): the usage ledger's unit.
 

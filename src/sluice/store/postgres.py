@@ -25,6 +25,13 @@ response records the instance that stored it. A response left ``queued`` or
 instances not seen for ``dead_after`` seconds, and after it has been called
 once, the heartbeat keeps failing those of instances that die later.
 
+Background responses (:class:`~sluice.store.repository.RunEvents`): the instance
+running one stores its events (``response_events``, written in batches by the
+caller), so another can resume its stream from the database; a cancel asked
+through another instance is a flag on the response (``cancel_requested``) the
+running instance polls for. Events go when the run's grace ends, with their
+response, or (an instance that died left them) an hour old at a heartbeat.
+
 Example::
 
     store = await PostgresStore.open("postgresql://sluice:secret@db.internal/sluice")
@@ -82,6 +89,7 @@ from sluice.store.models import (
     Message,
     NewMessage,
     StoreClosed,
+    StoredEvents,
     StoredResponse,
     StoreFailed,
     UnknownConversation,
@@ -370,9 +378,89 @@ class PostgresStore:
             cursor = await conn.execute(
                 "DELETE FROM responses WHERE id = %s AND owner = %s", (response_id, owner)
             )
-            return cursor.rowcount > 0
+            if cursor.rowcount == 0:
+                return False
+            await conn.execute("DELETE FROM response_events WHERE response_id = %s", (response_id,))
+            return True
 
         return await self._call(work, writes=True)
+
+    # -- a run's events, a cancel through another instance -------------------
+
+    async def add_events(self, rows: Sequence[tuple[str, int, bytes]]) -> None:
+        if not rows:
+            return
+
+        async def work(conn: Conn) -> None:
+            async with conn.transaction(), conn.cursor() as cursor:
+                await cursor.executemany(
+                    "INSERT INTO response_events (response_id, seq, frame) VALUES (%s,%s,%s)"
+                    " ON CONFLICT DO NOTHING",
+                    rows,
+                )
+
+        await self._aside(work, writes=True)
+
+    async def events_after(
+        self, response_id: str, *, owner: str, after: int
+    ) -> StoredEvents | None:
+        async def work(conn: Conn) -> StoredEvents | None:
+            # The response first: once it reads finished, its run stored all its events.
+            cursor = await conn.execute(
+                "SELECT body, unfinished FROM responses WHERE id = %s AND owner = %s",
+                (response_id, owner),
+            )
+            row = await cursor.fetchone()
+            if row is None:
+                return None
+            cursor = await conn.execute(
+                "SELECT seq, frame FROM response_events WHERE response_id = %s AND seq > %s"
+                " ORDER BY seq",
+                (response_id, after),
+            )
+            frames = [(int(seq), bytes(frame)) for seq, frame in await cursor.fetchall()]
+            last = frames[-1] if frames else None
+            if last is None:
+                cursor = await conn.execute(
+                    "SELECT seq, frame FROM response_events WHERE response_id = %s"
+                    " ORDER BY seq DESC LIMIT 1",
+                    (response_id,),
+                )
+                found = await cursor.fetchone()
+                last = None if found is None else (int(found[0]), bytes(found[1]))
+            return StoredEvents(from_json(row[0]), bool(row[1]), frames, last)
+
+        return await self._aside(work, writes=False)
+
+    async def delete_events(self, response_id: str) -> None:
+        async def work(conn: Conn) -> None:
+            await conn.execute("DELETE FROM response_events WHERE response_id = %s", (response_id,))
+
+        await self._aside(work, writes=True)
+
+    async def request_cancel(self, response_id: str, *, owner: str) -> bool:
+        async def work(conn: Conn) -> bool:
+            cursor = await conn.execute(
+                "UPDATE responses SET cancel_requested = true"
+                " WHERE id = %s AND owner = %s AND unfinished",
+                (response_id, owner),
+            )
+            return cursor.rowcount > 0
+
+        return await self._aside(work, writes=True)
+
+    async def cancels_requested(self, response_ids: Sequence[str]) -> list[str]:
+        if not response_ids:
+            return []
+
+        async def work(conn: Conn) -> list[str]:
+            cursor = await conn.execute(
+                "SELECT id FROM responses WHERE id = ANY(%s) AND cancel_requested ORDER BY id",
+                (list(response_ids),),
+            )
+            return [str(row[0]) for row in await cursor.fetchall()]
+
+        return await self._aside(work, writes=False)
 
     # -- the usage ledger and the limits' counters ------------------------
 
@@ -609,16 +697,19 @@ class PostgresStore:
         )
         return stored
 
-    async def _end_orphans(self, conn: Conn) -> int:
-        """Fail the unfinished responses of this instance's id and of instances gone."""
+    async def _end_orphans(self, conn: Conn, *, own: bool = True) -> int:
+        """Fail the unfinished responses of instances gone, and (``own``: at start) those
+        this instance's id left. The heartbeat passes ``own`` False: this instance's
+        unfinished responses are then its live runs."""
         assert self._unfinished_error is not None
         cursor = await conn.execute(
             "SELECT r.id, r.body FROM responses AS r"
-            " WHERE r.unfinished AND (r.instance IS NULL OR r.instance = %s OR NOT EXISTS ("
+            " WHERE r.unfinished AND (r.instance IS NULL OR (r.instance = %s AND %s)"
+            "   OR (r.instance <> %s AND NOT EXISTS ("
             "   SELECT 1 FROM instances AS i WHERE i.id = r.instance"
-            "   AND i.last_seen > clock_timestamp() - make_interval(secs => %s)))"
+            "   AND i.last_seen > clock_timestamp() - make_interval(secs => %s))))"
             " ORDER BY r.id FOR UPDATE OF r SKIP LOCKED",
-            (self.instance, self._dead_after),
+            (self.instance, own, self.instance, self._dead_after),
         )
         rows = await cursor.fetchall()
         if rows:
@@ -631,6 +722,9 @@ class PostgresStore:
                     ],
                 )
         return len(rows)
+
+    async def _end_orphan_runs(self, conn: Conn) -> int:
+        return await self._end_orphans(conn, own=False)
 
     async def _prune(self, conn: Conn, now: float) -> None:
         cutoff = self._pruner.due(now)
@@ -646,6 +740,13 @@ class PostgresStore:
                 " ON CONFLICT (id) DO UPDATE SET last_seen = clock_timestamp()",
                 (self.instance,),
             )
+            # Events an instance that died left (a live one prunes its own at its runs'
+            # grace): those an hour old, of responses no longer running.
+            await conn.execute(
+                "DELETE FROM response_events AS e"
+                " WHERE e.at < clock_timestamp() - interval '1 hour' AND NOT EXISTS ("
+                "   SELECT 1 FROM responses AS r WHERE r.id = e.response_id AND r.unfinished)"
+            )
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -653,7 +754,7 @@ class PostgresStore:
             try:
                 await self._beat()
                 if self._unfinished_error is not None and not self._closing:
-                    ended = await self._call(self._end_orphans, writes=True)
+                    ended = await self._call(self._end_orphan_runs, writes=True)
                     if ended:
                         log.warning(
                             "%d background response(s) of a stopped sluice instance are now failed",

@@ -136,6 +136,19 @@ MIGRATIONS: tuple[str, ...] = (
     END
     $$;
     """,
+    # 2: a background run's events, so any instance can resume its stream, and a cancel
+    # asked through another instance than the one running it (which polls for it).
+    """
+    CREATE TABLE response_events (
+        response_id TEXT NOT NULL,
+        seq INTEGER NOT NULL,  -- the event's sequence_number
+        frame BYTEA NOT NULL,  -- the SSE frame as sent
+        at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp(),
+        PRIMARY KEY (response_id, seq)
+    );
+    CREATE INDEX response_events_by_time ON response_events (at);
+    ALTER TABLE responses ADD COLUMN cancel_requested BOOLEAN NOT NULL DEFAULT false;
+    """,
 )
 
 

@@ -18,7 +18,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from sluice.store.models import Conversation, Message, NewMessage, StoredResponse, UsageRow
+from sluice.store.models import (
+    Conversation,
+    Message,
+    NewMessage,
+    StoredEvents,
+    StoredResponse,
+    UsageRow,
+)
 
 
 class ConversationStore(Protocol):
@@ -164,4 +171,43 @@ class ConversationStore(Protocol):
 
     async def close(self) -> None:
         """Finish every queued write, then close; later calls raise ``StoreClosed``."""
+        ...
+
+
+class RunEvents(Protocol):
+    """What a shared store (``shared`` True: PostgreSQL) adds so that several processes
+    serve background responses as one: a run's events, readable by every instance, and
+    a cancel asked through another instance than the one running it.
+
+    Example::
+
+        await store.add_events([("resp_1", 0, b"event: response.created\n...")])
+        got = await store.events_after("resp_1", owner="alice", after=-1)
+        await store.request_cancel("resp_1", owner="alice")  # the runner polls:
+        await store.cancels_requested(["resp_1"])              # ["resp_1"]
+    """
+
+    async def add_events(self, rows: Sequence[tuple[str, int, bytes]]) -> None:
+        """Store ``(response_id, seq, frame)`` rows, all in one transaction (a row already
+        stored stays). A caller cancelled while waiting does not undo it."""
+        ...
+
+    async def events_after(
+        self, response_id: str, *, owner: str, after: int
+    ) -> StoredEvents | None:
+        """``owner``'s response ``response_id`` (read first) and its stored events of
+        sequence number above ``after``; None if unknown or another's."""
+        ...
+
+    async def delete_events(self, response_id: str) -> None:
+        """Forget the response's stored events (its run's grace ended)."""
+        ...
+
+    async def request_cancel(self, response_id: str, *, owner: str) -> bool:
+        """Mark ``owner``'s unfinished response to be cancelled by whichever instance runs
+        it; False if there is none unfinished."""
+        ...
+
+    async def cancels_requested(self, response_ids: Sequence[str]) -> list[str]:
+        """Those of ``response_ids`` a cancel was requested for."""
         ...
