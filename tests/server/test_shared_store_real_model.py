@@ -1,7 +1,8 @@
 """Two sluice processes on one PostgreSQL database serve as one: a ``/c1`` conversation
 started through one continues through the other, a 10-a-minute key gets exactly 10 of
 12 requests through when they are spread over both, usage counted on one is read on
-the other, and a background response started on one is read from the other."""
+the other, and a background response started on one is read, resumed and cancelled
+through the other."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from openai.types.responses import Response
 
 from tests.support.postgres import PostgresServer
 from tests.support.real_server import QUIET
@@ -111,3 +113,77 @@ def test_a_background_response_is_read_from_the_other_instance(pair: tuple[str, 
         time.sleep(0.3)
     # (8 tokens: it may stop at its max_output_tokens, "incomplete": an end all the same.)
     assert got.status in ("completed", "incomplete") and got.output_text
+
+
+STORY = "Tell me a long story about a dragon who learns to bake bread."
+
+
+def _in_flight(base: str) -> list[str]:
+    listed = httpx.get(f"{base}/v1/requests", headers=_auth(ADMIN), timeout=10)
+    return [entry["id"] for entry in listed.json()["data"]]
+
+
+def _story(base: str) -> Response:
+    """A background response of a couple of hundred tokens, started through ``base``."""
+    return openai.OpenAI(base_url=f"{base}/v1", api_key=ADMIN).responses.create(
+        model="smollm2", input=STORY, max_output_tokens=200, temperature=0, background=True
+    )
+
+
+def _raw_events(base: str, response_id: str) -> bytes:
+    url = f"{base}/v1/responses/{response_id}?stream=true&starting_after=-1"
+    answer = httpx.get(url, headers=_auth(ADMIN), timeout=60)
+    assert answer.status_code == 200, answer.text
+    return answer.content
+
+
+def test_a_background_response_is_resumed_through_the_other_instance(
+    pair: tuple[str, str],
+) -> None:
+    one, two = pair
+    created = _story(one)
+    other = openai.OpenAI(base_url=f"{two}/v1", api_key=ADMIN)
+    # The first few events through the other instance, then the client drops...
+    seen: list[int] = []
+    with other.responses.retrieve(created.id, stream=True) as first:
+        for event in first:
+            seen.append(event.sequence_number)
+            if len(seen) == 5:
+                break
+    assert seen == [0, 1, 2, 3, 4]
+    # ... and resumes there after the last one it had, while the first still generates.
+    kinds = []
+    with other.responses.retrieve(created.id, stream=True, starting_after=seen[-1]) as rest:
+        for event in rest:
+            seen.append(event.sequence_number)
+            kinds.append(event.type)
+    assert seen == list(range(len(seen))), "sequence numbers skip or repeat"
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert kinds.count("response.output_text.delta") > 20  # it streamed while generating
+    # The same bytes as the instance that ran it sends (its events kept in its memory).
+    assert _raw_events(two, created.id) == _raw_events(one, created.id)
+    ended = other.responses.retrieve(created.id)
+    assert ended.status == kinds[-1].removeprefix("response.") and ended.output_text
+
+
+def test_a_background_response_is_cancelled_through_the_other_instance(
+    pair: tuple[str, str],
+) -> None:
+    one, two = pair
+    created = _story(one)
+    deadline = time.monotonic() + 60
+    while created.id not in _in_flight(one):  # generating on the first instance
+        assert time.monotonic() < deadline, "the response never started"
+        time.sleep(0.1)
+    started = time.monotonic()
+    cancelled = openai.OpenAI(base_url=f"{two}/v1", api_key=ADMIN).responses.cancel(created.id)
+    assert cancelled.status == "cancelled"
+    assert time.monotonic() - started < 3, "the running instance noticed too late"
+    assert created.id not in _in_flight(one)  # it stopped generating
+    for base in pair:
+        got = openai.OpenAI(base_url=f"{base}/v1", api_key=ADMIN).responses.retrieve(created.id)
+        assert got.status == "cancelled"
+    # Its stream through either instance ends with the cancel.
+    for base in pair:
+        frames = _raw_events(base, created.id).split(b"\n\n")
+        assert frames[-2].startswith(b"event: response.cancelled\n")

@@ -48,6 +48,8 @@ class Run:
         self.frames: list[bytes] = []
         self.done = False
         self.task: asyncio.Task[None] | None = None
+        # Given each publish's frames too (a shared store's copy of the events), if set.
+        self.tap: Callable[[list[bytes]], None] | None = None
         self._changed = asyncio.Event()
         self._followers = 0
         self._orphaned: asyncio.TimerHandle | None = None
@@ -56,6 +58,8 @@ class Run:
         """Append frames (encoded, in sequence order) and wake the followers."""
         if chunks:
             self.frames.extend(chunks)
+            if self.tap is not None:
+                self.tap(chunks)
             self._wake()
 
     def finish(self) -> None:

@@ -53,7 +53,6 @@ from sluice.core.errors import (
     as_sluice_error,
 )
 from sluice.core.events import ErrorEvent
-from sluice.core.frames import Frame
 from sluice.core.request import GenerationRequest
 from sluice.dialects.responses.format import (
     RESPONSE_PREFIX,
@@ -63,6 +62,13 @@ from sluice.dialects.responses.format import (
     new_id,
 )
 from sluice.dialects.responses.schema import ResponsesRequest, parse
+from sluice.dialects.responses.shared import (
+    cancel_elsewhere,
+    follow_stored,
+    relay_for,
+    shared,
+    terminal_frame,
+)
 from sluice.metrics import ResponsesEventTap
 from sluice.models.dispatch import SlotLease, UpstreamTarget
 from sluice.models.flights import identify
@@ -291,6 +297,9 @@ async def _generate(
         finally:
             if lease is not None:
                 lease.release()
+            relay = relay_for(state.runs, state.store) if run.tap is not None else None
+            if relay is not None:  # its events are all stored before its end is
+                await asyncio.shield(relay.drain(run))
             await asyncio.shield(_store(state, p, formatter))
 
 
@@ -322,6 +331,9 @@ async def create(request: Request) -> Response:
             work=lambda r: _generate(r, state, p, formatter, None),
             state=(formatter, p),
         )
+        relay = relay_for(state.runs, state.store)
+        if relay is not None:  # a shared store: other instances resume and cancel it
+            relay.attach(run)
         run.publish(_encode(started))
         if body.stream:
             return _follow(state, run, -1)
@@ -393,27 +405,19 @@ def _follow(
     )
 
 
-_TERMINAL = {
-    "completed": "response.completed",
-    "incomplete": "response.incomplete",
-    "failed": "response.failed",
-    "cancelled": "response.cancelled",
-}
-
-
 def _terminal(state: ServerState, body: dict[str, Any], starting_after: int) -> Response:
     """A stream of a response whose events are no longer kept (past --resume-grace, or
     left by a stopped server): its terminal event, with the response as it ended."""
-    kind = _TERMINAL.get(str(body.get("status")), "response.failed")
-    frame = Frame(
-        {"type": kind, "sequence_number": starting_after + 1, "response": body}, event=kind
-    )
 
     async def one() -> AsyncIterator[bytes]:
-        yield encode(frame)
+        yield terminal_frame(body, starting_after + 1)
 
+    return _sse(state, one())
+
+
+def _sse(state: ServerState, chunks: AsyncIterator[bytes]) -> Response:
     return SSEResponse(  # type: ignore[return-value]
-        one(),
+        chunks,
         on_close=lambda: None,
         ping_interval=state.settings.ping_interval,
         stall_timeout=state.settings.stall_timeout,
@@ -442,7 +446,7 @@ def _current(run: Run | None, stored: StoredResponse | None) -> dict[str, Any]:
 
 
 async def retrieve(request: Request) -> Response:
-    state, _, _, run, stored = await _find(request)
+    state, response_id, owner, run, stored = await _find(request)
     if request.query_params.get("stream") in ("true", "1"):
         raw = request.query_params.get("starting_after", "-1")
         try:
@@ -453,13 +457,16 @@ async def retrieve(request: Request) -> Response:
             ) from None
         if run is None:
             assert stored is not None
+            events = shared(state.store)
+            if events is not None:  # it may run (or have run) on another instance
+                return _sse(state, follow_stored(events, response_id, owner, starting_after))
             return _terminal(state, stored.body, starting_after)
         return _follow(state, run, starting_after)
     return json_response(_current(run, stored))
 
 
 async def cancel(request: Request) -> Response:
-    _, _, _, run, stored = await _find(request)
+    state, response_id, owner, run, stored = await _find(request)
     body = _current(run, stored)
     if not body.get("background"):
         raise InvalidRequest(
@@ -469,6 +476,11 @@ async def cancel(request: Request) -> Response:
         run.cancel()
         await run.wait()
         body = _current(run, None)
+    elif run is None and body.get("status") in ("queued", "in_progress"):
+        events = shared(state.store)
+        if events is not None:  # running on another instance: it is asked to stop
+            ended = await cancel_elsewhere(state.store, events, response_id, owner)
+            body = ended if ended is not None else body
     return json_response(body)
 
 
