@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import json
 import struct
 import zlib
 from collections.abc import Iterator
@@ -347,3 +348,127 @@ def test_gemma_3_sees_through_its_non_causal_projector(tmp_path: Any) -> None:
     assert "red" not in said["none"][0] and "green" not in said["none"][0]
     # 16 image rows and the two wrapping tokens (llama-server: 12 and 30 too).
     assert (said["none"][1], said["red"][1]) == (12, 30)
+
+
+GEMMA_ASK = "\nThis picture is one solid colour. Its colour is"
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    template = tmp_path_factory.mktemp("gemma") / "plain.jinja"
+    template.write_text("{%- for m in messages %}{{ m.content }}{%- endfor %}")
+    projector = str(colour_projector("gemma3"))
+    args = ("--model", "gemma3-270m", "--mmproj", projector, "--chat-template", str(template))
+    with serve_process(*args, *QUIET) as url:
+        yield url
+
+
+def _gemma_said(base: str, sdk: str, stream: bool, rgb: tuple[int, int, int]) -> str:
+    """What Gemma 3 answers an image (first) and GEMMA_ASK through ``sdk``."""
+    png = solid_png(rgb)
+    b64 = base64.b64encode(png).decode()
+    if sdk in ("openai", "responses"):
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
+        if sdk == "openai":
+            content: Any = [
+                {"type": "image_url", "image_url": {"url": data_uri(rgb)}},
+                {"type": "text", "text": GEMMA_ASK},
+            ]
+            kw: Any = {"model": "gemma3-270m", "temperature": 0, "max_tokens": 12}
+            messages = [{"role": "user", "content": content}]
+            if stream:
+                chunks = client.chat.completions.create(messages=messages, stream=True, **kw)
+                return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            return (
+                client.chat.completions.create(messages=messages, **kw).choices[0].message.content
+                or ""
+            )
+        content = [
+            {"type": "input_image", "image_url": data_uri(rgb)},
+            {"type": "input_text", "text": GEMMA_ASK},
+        ]
+        kw = {"model": "gemma3-270m", "temperature": 0, "max_output_tokens": 12}
+        items: Any = [{"role": "user", "content": content}]
+        if stream:
+            events = client.responses.create(input=items, stream=True, **kw)
+            return "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        return client.responses.create(input=items, **kw).output_text
+    if sdk == "anthropic":
+        claude = anthropic.Anthropic(base_url=base, api_key="none", max_retries=0)
+        source = {"type": "base64", "media_type": "image/png", "data": b64}
+        blocks: Any = [{"type": "image", "source": source}, {"type": "text", "text": GEMMA_ASK}]
+        akw: Any = {"model": "gemma3-270m", "max_tokens": 12, "extra_body": {"temperature": 0}}
+        msgs: Any = [{"role": "user", "content": blocks}]
+        if stream:
+            with claude.messages.stream(messages=msgs, **akw) as s:
+                return "".join(s.text_stream)
+        return str(claude.messages.create(messages=msgs, **akw).content[0].text)  # type: ignore[union-attr]
+    if sdk == "ollama":
+        llama = ollama.Client(host=base, timeout=120)
+        message = {"role": "user", "content": GEMMA_ASK, "images": [png]}
+        options = {"temperature": 0, "num_predict": 12}
+        if stream:
+            parts = llama.chat(
+                model="gemma3-270m", messages=[message], options=options, stream=True
+            )
+            return "".join(p.message.content or "" for p in parts)
+        return (
+            llama.chat(model="gemma3-270m", messages=[message], options=options).message.content
+            or ""
+        )
+    if sdk == "gemini":
+        from google import genai
+        from google.genai import types
+
+        client_g = genai.Client(
+            api_key="unused", http_options=types.HttpOptions(base_url=base, api_version="v1beta")
+        )
+        parts_g = [
+            types.Part.from_bytes(data=png, mime_type="image/png"),
+            types.Part(text=GEMMA_ASK),
+        ]
+        contents = [types.Content(role="user", parts=parts_g)]
+        config = types.GenerateContentConfig(temperature=0, max_output_tokens=12)
+        if stream:
+            chunks_g = client_g.models.generate_content_stream(
+                model="gemma3-270m", contents=contents, config=config
+            )
+            return "".join(c.text or "" for c in chunks_g)
+        return (
+            client_g.models.generate_content(
+                model="gemma3-270m", contents=contents, config=config
+            ).text
+            or ""
+        )
+    body = {
+        "model": "gemma3-270m",
+        "temperature": 0,
+        "max_output_tokens": 12,
+        "stream": stream,
+        "input": [
+            {"type": "image", "data_url": data_uri(rgb)},
+            {"type": "text", "content": GEMMA_ASK},
+        ],
+    }
+    r = httpx.post(base + "/api/v1/chat", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    if not stream:
+        return "".join(o.get("content", "") for o in r.json()["output"] if o["type"] == "message")
+    said = []
+    for line in r.text.splitlines():
+        if line.startswith("data: "):
+            event = json.loads(line[len("data: ") :])
+            if event.get("type") == "message.delta":
+                said.append(event["content"])
+    return "".join(said)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize(
+    "sdk", ["openai", "responses", "anthropic", "ollama", "gemini", "lmstudio"]
+)
+def test_gemma_3_names_the_colour_through_every_sdk(gemma: str, sdk: str, stream: bool) -> None:
+    wait_idle(gemma, within=10)
+    red, green = (_gemma_said(gemma, sdk, stream, rgb).lower() for rgb in (RED, GREEN))
+    assert "red" in red and "green" not in red, red
+    assert "green" in green and "red" not in green, green

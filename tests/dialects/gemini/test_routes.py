@@ -199,3 +199,20 @@ def test_embed_content_one_and_a_batch() -> None:
     assert one.status_code == 200 and len(values) > 0 and isinstance(values[0], float)
     assert [len(e["values"]) for e in batch.json()["embeddings"]] == [len(values)] * 3
     assert bad.status_code == 400 and bad.json()["error"]["status"] == "INVALID_ARGUMENT"
+
+
+def test_text_and_image_parts_keep_their_order() -> None:
+    """Where an image stands among the text is what the model sees: an image first stays
+    first (Gemma 3 with its projector answered a picture's colour only so)."""
+    from sluice.dialects.gemini.schema import GenerateContentRequest
+
+    image = {"inlineData": {"mimeType": "image/png", "data": "aGk="}}
+    body = GenerateContentRequest.model_validate(
+        {"contents": [{"role": "user", "parts": [image, {"text": "Its colour is"}, image]}]}
+    )
+    (message,) = body.messages()
+    assert [p["type"] for p in message["content"]] == ["image_url", "text", "image_url"]
+    only_text = GenerateContentRequest.model_validate(
+        {"contents": [{"parts": [{"text": "a"}, {"text": "b"}]}]}
+    )
+    assert only_text.messages() == [{"role": "user", "content": "a\nb"}]

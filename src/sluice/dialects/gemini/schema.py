@@ -311,6 +311,7 @@ def _turn(where: str, content: Content, calls: _CallIds) -> list[dict[str, Any]]
     texts: list[str] = []
     images: list[dict[str, Any]] = []
     thoughts: list[str] = []
+    ordered: list[dict[str, Any]] = []  # text and image parts, in order
     tool_calls: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
     for j, part in enumerate(content.parts):
@@ -321,7 +322,11 @@ def _turn(where: str, content: Content, calls: _CallIds) -> list[dict[str, Any]]
         if "text" in part:
             if not isinstance(part["text"], str):
                 raise InvalidRequest(f"{at}.text must be a string", param=f"{at}.text")
-            (thoughts if part.get("thought") else texts).append(part["text"])
+            if part.get("thought"):
+                thoughts.append(part["text"])
+            else:
+                texts.append(part["text"])
+                ordered.append({"type": "text", "text": part["text"]})
         elif "functionCall" in part:
             call = _object(part["functionCall"], f"{at}.functionCall")
             name = _name(call.get("name"), f"{at}.functionCall.name")
@@ -358,6 +363,7 @@ def _turn(where: str, content: Content, calls: _CallIds) -> list[dict[str, Any]]
                     f"{at}.inlineData needs 'mimeType' and 'data'", param=f"{at}.inlineData"
                 )
             images.append({"type": "image_url", "image_url": {"url": f"data:{mime};base64,{b64}"}})
+            ordered.append(images[-1])
         elif "fileData" in part:
             raise InvalidRequest(
                 f"{at}: fileData parts (files uploaded to Google) cannot be read here; send "
@@ -378,9 +384,9 @@ def _turn(where: str, content: Content, calls: _CallIds) -> list[dict[str, Any]]
         if tool_calls:
             message["tool_calls"] = tool_calls
         return [message]
-    body: Any = "\n".join(texts)
-    if images:
-        body = [*({"type": "text", "text": t} for t in texts), *images]
+    # With images, the parts in the order they came: where an image stands in the text
+    # is what the model sees.
+    body: Any = ordered if images else "\n".join(texts)
     return [*results, {"role": "user", "content": body}]
 
 
