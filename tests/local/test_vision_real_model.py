@@ -363,18 +363,25 @@ def gemma(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield url
 
 
-def _gemma_said(base: str, sdk: str, stream: bool, rgb: tuple[int, int, int]) -> str:
-    """What Gemma 3 answers an image (first) and GEMMA_ASK through ``sdk``."""
+def _said(base: str, model: str, sdk: str, stream: bool, rgb: tuple[int, int, int]) -> str:
+    """What ``model`` answers an image and its question through ``sdk``: Gemma 3 (a base
+    model) the image first and text after it, SmolLM2 ASK and the image after it."""
+    first = model == "gemma3-270m"
+    text = GEMMA_ASK if first else ASK
+
+    def order(image: Any, words: Any) -> list[Any]:
+        return [image, words] if first else [words, image]
+
     png = solid_png(rgb)
     b64 = base64.b64encode(png).decode()
     if sdk in ("openai", "responses"):
         client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
         if sdk == "openai":
-            content: Any = [
+            content: Any = order(
                 {"type": "image_url", "image_url": {"url": data_uri(rgb)}},
-                {"type": "text", "text": GEMMA_ASK},
-            ]
-            kw: Any = {"model": "gemma3-270m", "temperature": 0, "max_tokens": 12}
+                {"type": "text", "text": text},
+            )
+            kw: Any = {"model": model, "temperature": 0, "max_tokens": 12}
             messages = [{"role": "user", "content": content}]
             if stream:
                 chunks = client.chat.completions.create(messages=messages, stream=True, **kw)
@@ -383,11 +390,11 @@ def _gemma_said(base: str, sdk: str, stream: bool, rgb: tuple[int, int, int]) ->
                 client.chat.completions.create(messages=messages, **kw).choices[0].message.content
                 or ""
             )
-        content = [
+        content = order(
             {"type": "input_image", "image_url": data_uri(rgb)},
-            {"type": "input_text", "text": GEMMA_ASK},
-        ]
-        kw = {"model": "gemma3-270m", "temperature": 0, "max_output_tokens": 12}
+            {"type": "input_text", "text": text},
+        )
+        kw = {"model": model, "temperature": 0, "max_output_tokens": 12}
         items: Any = [{"role": "user", "content": content}]
         if stream:
             events = client.responses.create(input=items, stream=True, **kw)
@@ -396,8 +403,8 @@ def _gemma_said(base: str, sdk: str, stream: bool, rgb: tuple[int, int, int]) ->
     if sdk == "anthropic":
         claude = anthropic.Anthropic(base_url=base, api_key="none", max_retries=0)
         source = {"type": "base64", "media_type": "image/png", "data": b64}
-        blocks: Any = [{"type": "image", "source": source}, {"type": "text", "text": GEMMA_ASK}]
-        akw: Any = {"model": "gemma3-270m", "max_tokens": 12, "extra_body": {"temperature": 0}}
+        blocks: Any = order({"type": "image", "source": source}, {"type": "text", "text": text})
+        akw: Any = {"model": model, "max_tokens": 12, "extra_body": {"temperature": 0}}
         msgs: Any = [{"role": "user", "content": blocks}]
         if stream:
             with claude.messages.stream(messages=msgs, **akw) as s:
@@ -405,17 +412,12 @@ def _gemma_said(base: str, sdk: str, stream: bool, rgb: tuple[int, int, int]) ->
         return str(claude.messages.create(messages=msgs, **akw).content[0].text)  # type: ignore[union-attr]
     if sdk == "ollama":
         llama = ollama.Client(host=base, timeout=120)
-        message = {"role": "user", "content": GEMMA_ASK, "images": [png]}
+        message = {"role": "user", "content": text, "images": [png]}
         options = {"temperature": 0, "num_predict": 12}
         if stream:
-            parts = llama.chat(
-                model="gemma3-270m", messages=[message], options=options, stream=True
-            )
+            parts = llama.chat(model=model, messages=[message], options=options, stream=True)
             return "".join(p.message.content or "" for p in parts)
-        return (
-            llama.chat(model="gemma3-270m", messages=[message], options=options).message.content
-            or ""
-        )
+        return llama.chat(model=model, messages=[message], options=options).message.content or ""
     if sdk == "gemini":
         from google import genai
         from google.genai import types
@@ -423,32 +425,28 @@ def _gemma_said(base: str, sdk: str, stream: bool, rgb: tuple[int, int, int]) ->
         client_g = genai.Client(
             api_key="unused", http_options=types.HttpOptions(base_url=base, api_version="v1beta")
         )
-        parts_g = [
-            types.Part.from_bytes(data=png, mime_type="image/png"),
-            types.Part(text=GEMMA_ASK),
-        ]
+        parts_g = order(
+            types.Part.from_bytes(data=png, mime_type="image/png"), types.Part(text=text)
+        )
         contents = [types.Content(role="user", parts=parts_g)]
         config = types.GenerateContentConfig(temperature=0, max_output_tokens=12)
         if stream:
             chunks_g = client_g.models.generate_content_stream(
-                model="gemma3-270m", contents=contents, config=config
+                model=model, contents=contents, config=config
             )
             return "".join(c.text or "" for c in chunks_g)
         return (
-            client_g.models.generate_content(
-                model="gemma3-270m", contents=contents, config=config
-            ).text
+            client_g.models.generate_content(model=model, contents=contents, config=config).text
             or ""
         )
     body = {
-        "model": "gemma3-270m",
+        "model": model,
         "temperature": 0,
         "max_output_tokens": 12,
         "stream": stream,
-        "input": [
-            {"type": "image", "data_url": data_uri(rgb)},
-            {"type": "text", "content": GEMMA_ASK},
-        ],
+        "input": order(
+            {"type": "image", "data_url": data_uri(rgb)}, {"type": "text", "content": text}
+        ),
     }
     r = httpx.post(base + "/api/v1/chat", json=body, timeout=120)
     assert r.status_code == 200, r.text
@@ -467,8 +465,12 @@ def _gemma_said(base: str, sdk: str, stream: bool, rgb: tuple[int, int, int]) ->
 @pytest.mark.parametrize(
     "sdk", ["openai", "responses", "anthropic", "ollama", "gemini", "lmstudio"]
 )
-def test_gemma_3_names_the_colour_through_every_sdk(gemma: str, sdk: str, stream: bool) -> None:
-    wait_idle(gemma, within=10)
-    red, green = (_gemma_said(gemma, sdk, stream, rgb).lower() for rgb in (RED, GREEN))
+@pytest.mark.parametrize("model", ["smollm2", "gemma3-270m"])
+def test_each_model_names_the_colour_through_every_sdk(
+    request: pytest.FixtureRequest, model: str, sdk: str, stream: bool
+) -> None:
+    at = request.getfixturevalue("base" if model == "smollm2" else "gemma")
+    wait_idle(at, within=10)
+    red, green = (_said(at, model, sdk, stream, rgb).lower() for rgb in (RED, GREEN))
     assert "red" in red and "green" not in red, red
     assert "green" in green and "red" not in green, green
