@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -130,6 +131,85 @@ async def test_a_conversation_continues_through_another_instance(postgres_url: s
         assert await two.path(stored[-1].id) == stored
         now = await two.get_conversation(conv.id, owner="alice", user_id=None)
         assert now is not None and now.message_count == 30 and now.head_id == stored[-1].id
+
+
+async def test_turns_through_two_instances_chain_as_the_gateway_stores_them(
+    postgres_url: str,
+) -> None:
+    # each turn as /c1 stores it: the user's message on the head, then the answer
+    # naming it as its parent, through either instance, all at once
+    async with (
+        await PostgresStore.open(postgres_url) as one,
+        await PostgresStore.open(postgres_url) as two,
+    ):
+        conv = await one.create_conversation(owner="alice", user_id=None, model="m")
+
+        async def turns(store: PostgresStore, name: str) -> None:
+            for i in range(10):
+                asked = await store.add_message(conv.id, NewMessage(role="user", content=name))
+                answer = NewMessage(role="assistant", content=f"{name}{i}", parent_id=asked.id)
+                await store.add_message(conv.id, answer)
+
+        await asyncio.gather(*(turns(s, n) for s, n in [(one, "a"), (two, "b")] * 2))
+        stored = await two.messages(conv.id)
+        assert len(stored) == 80
+        # each question continues the head (the message stored just before it), each
+        # answer its question: one tree, every head moved under the row lock
+        by_id = {m.id: m for m in stored}
+        for before, message in zip([None, *stored], stored, strict=False):
+            if message.role == "user":
+                assert message.parent_id == (before and before.id)
+            else:
+                assert message.parent_id is not None
+                assert by_id[message.parent_id].content == message.content[0]
+        assert (await one.path(stored[-1].id))[-1] == stored[-1]
+        now = await one.get_conversation(conv.id, owner="alice", user_id=None)
+        assert now is not None and (now.message_count, now.head_id) == (80, stored[-1].id)
+
+
+async def test_a_batch_whose_statement_fails_runs_again_one_write_at_a_time(
+    postgres_url: str,
+) -> None:
+    # The writer sends a batch's writes at once; one failing in the database (here a
+    # trigger refuses it) rolls the batch back, and it runs again write by write: the
+    # failing one fails alone, the others keep their order and their chain.
+    store = await PostgresStore.open(postgres_url)
+    query(
+        postgres_url,
+        "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
+        " IF NEW.content = '\"refused\"' THEN RAISE EXCEPTION 'refused'; END IF;"
+        " RETURN NEW; END $$;"
+        " CREATE TRIGGER refuse BEFORE INSERT ON messages"
+        " FOR EACH ROW EXECUTE FUNCTION refuse()",
+    )
+    async with store:
+        conv = await store.create_conversation(owner="k", user_id=None, model=None)
+        one_by_one = store._one_by_one
+        batches: list[int] = []
+
+        async def counted(conn: Any, batch: list[Any]) -> Any:
+            batches.append(len(batch))
+            return await one_by_one(conn, batch)
+
+        store._one_by_one = counted  # type: ignore[method-assign]
+        busy = asyncio.ensure_future(store._call(lambda conn: asyncio.sleep(0.05), writes=True))
+        await asyncio.sleep(0.01)
+        results: tuple[Any, ...] = await asyncio.gather(
+            store.add_message(conv.id, NewMessage(role="user", content="first")),
+            store.add_message(conv.id, NewMessage(role="user", content="refused")),
+            store.rename_conversation(conv.id, owner="k", user_id=None, title="named"),
+            store.add_message(conv.id, NewMessage(role="user", content="second")),
+            return_exceptions=True,
+        )
+        await busy
+        assert batches == [1, 4]  # the held write (no pipelined form), then the retry
+        first, refused, renamed, second = results
+        assert isinstance(refused, StoreFailed)
+        assert second.parent_id == first.id and renamed.title == "named"
+        assert [m.content for m in await store.messages(conv.id)] == ["first", "second"]
+        # and the writer goes on pipelining
+        third = await store.add_message(conv.id, NewMessage(role="user", content="third"))
+        assert third.parent_id == second.id and batches == [1, 4]
 
 
 def _response(response_id: str, status: str) -> StoredResponse:

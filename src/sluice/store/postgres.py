@@ -43,6 +43,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import secrets
@@ -56,12 +57,10 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from sluice.store.common import (
     ADD_USAGE,
-    ADVANCE,
     CONVERSATION_COLUMNS,
     INSERT_CONVERSATION,
-    INSERT_MESSAGE,
     MESSAGE_COLUMNS,
-    PATH,
+    MESSAGE_FIELDS,
     SELECT_RESPONSE,
     SELECT_USAGE,
     TOKENS_SINCE,
@@ -102,20 +101,69 @@ log = logging.getLogger("sluice.store")
 T = TypeVar("T")
 Conn = psycopg.AsyncConnection[Any]
 Work = Callable[[Conn], Awaitable[T]]
+# A write as its statements sent (``Send``), and how to read its outcome once the
+# server has answered (``Read``): the writer sends a whole batch of them before it
+# waits. Read may raise only for a write that changed nothing (an unknown conversation).
+Read = Callable[[], Awaitable[T]]
+Send = Callable[[Conn], Awaitable[Read[T]]]
 
 _MAX_BATCH = 256
 _DEADLOCK_RETRIES = 3
 _CONNECT_TIMEOUT = 10.0
+# The path from a message up to its root. Not common.py's PATH (SQLite's): the step up is
+# a lateral lookup by id, which PostgreSQL plans as an index scan a step even on a table
+# it has no statistics of yet (the join form got a sequential scan a step: O(n^2)), and
+# the chain carries the columns, so no join over all messages picks them up after.
+_PATH = f"""
+    WITH RECURSIVE chain AS (
+        SELECT 0 AS depth, {MESSAGE_COLUMNS} FROM messages WHERE id = %s
+        UNION ALL
+        SELECT chain.depth + 1, up.* FROM chain CROSS JOIN LATERAL (
+            SELECT {MESSAGE_COLUMNS} FROM messages AS m WHERE m.id = chain.parent_id LIMIT 1
+        ) AS up
+    )
+    SELECT {MESSAGE_COLUMNS} FROM chain ORDER BY depth DESC
+"""
+# The head in a plan made without reading it: no id (PostgreSQL's text holds no NUL);
+# sluice_add_messages puts the head it reads under the lock in its place.
+_HEAD = "\0head"
+# The columns of a message row sluice_add_messages takes per message, in its order:
+# all but conversation_id and created_at (given apart).
+_PARENT = MESSAGE_FIELDS.index("parent_id")
+_SENT_COLUMNS = tuple(
+    i for i, name in enumerate(MESSAGE_FIELDS) if name not in ("conversation_id", "created_at")
+)
 
 
 class _Op:
-    """One queued write: ``work`` runs on the writer's connection, its outcome goes to ``future``."""
+    """One queued write: ``work`` runs on the writer's connection, its outcome goes to
+    ``future``; ``send``, when the write has that form, is it pipelined."""
 
-    __slots__ = ("future", "work")
+    __slots__ = ("future", "send", "work")
 
-    def __init__(self, work: Work[Any] | None, future: asyncio.Future[Any]) -> None:
+    def __init__(
+        self, work: Work[Any] | None, future: asyncio.Future[Any], send: Send[Any] | None = None
+    ) -> None:
         self.work = work  # None: the close marker
         self.future = future
+        self.send = send
+
+
+_Outcome = tuple[_Op, Any, BaseException | None]
+
+
+class _Refused(Exception):
+    """A statement of a pipelined batch failed: the batch's transaction is rolled back."""
+
+
+def _sent(send: Send[T]) -> Work[T]:
+    """``send`` as a plain write: its statements, then its outcome."""
+
+    async def work(conn: Conn) -> T:
+        read = await send(conn)
+        return await read()
+
+    return work
 
 
 class PostgresStore:
@@ -148,6 +196,7 @@ class PostgresStore:
         self._tasks: list[asyncio.Task[None]] = []
         self._side: set[asyncio.Future[Any]] = set()
         self._unfinished_error: dict[str, Any] | None = None
+        self._committing = False  # the writer's batch is past its last write: COMMIT
 
     @classmethod
     async def open(
@@ -211,12 +260,12 @@ class PostgresStore:
     async def create_conversation(
         self, *, owner: str, user_id: str | None, model: str | None
     ) -> Conversation:
-        async def work(conn: Conn) -> Conversation:
+        async def send(conn: Conn) -> Read[Conversation]:
             conversation, values = new_conversation(owner, user_id, model, self._clock.now())
             await conn.execute(_pg(INSERT_CONVERSATION), values)
-            return conversation
+            return lambda: _done(conversation)
 
-        return await self._call(work, writes=True)
+        return await self._write(send)
 
     async def get_conversation(
         self, conversation_id: str, *, owner: str, user_id: str | None
@@ -259,20 +308,20 @@ class PostgresStore:
     async def delete_conversation(
         self, conversation_id: str, *, owner: str, user_id: str | None
     ) -> bool:
-        async def work(conn: Conn) -> bool:
+        async def send(conn: Conn) -> Read[bool]:
             # the messages and responses go by ON DELETE CASCADE
             cursor = await conn.execute(
                 f"DELETE FROM conversations WHERE id = %s AND owner = %s AND {_user_is(user_id)}",
                 (conversation_id, owner, user_id),
             )
-            return cursor.rowcount > 0
+            return lambda: _done(cursor.rowcount > 0)
 
-        return await self._call(work, writes=True)
+        return await self._write(send)
 
     async def rename_conversation(
         self, conversation_id: str, *, owner: str, user_id: str | None, title: str | None
     ) -> Conversation | None:
-        async def work(conn: Conn) -> Conversation | None:
+        async def send(conn: Conn) -> Read[Conversation | None]:
             # A new name is not a new turn: updated_at (the list's order) stays.
             cursor = await conn.execute(
                 "UPDATE conversations SET title = %s"
@@ -280,10 +329,14 @@ class PostgresStore:
                 f" RETURNING {CONVERSATION_COLUMNS}",
                 (title, conversation_id, owner, user_id),
             )
-            row = await cursor.fetchone()
-            return None if row is None else Conversation(*row)
 
-        return await self._call(work, writes=True)
+            async def read() -> Conversation | None:
+                row = await cursor.fetchone()
+                return None if row is None else Conversation(*row)
+
+            return read
+
+        return await self._write(send)
 
     async def add_message(
         self, conversation_id: str, message: NewMessage, *, advance_head: bool = True
@@ -302,10 +355,20 @@ class PostgresStore:
         if not batch:
             return []
 
-        async def work(conn: Conn) -> list[Message]:
-            return await self._insert_messages(conn, conversation_id, batch, advance_head)
+        async def send(conn: Conn) -> Read[list[Message]]:
+            return await self._send_messages(conn, conversation_id, batch, advance_head)
 
-        return await self._call(work, writes=True)
+        async def work(conn: Conn) -> list[Message]:
+            try:
+                return await _sent(send)(conn)
+            except psycopg.errors.UniqueViolation:
+                # another process took a caller-given id since we looked
+                given = [m.id for m in batch if m.id is not None]
+                if not given:
+                    raise
+                raise DuplicateMessageId(given[0]) from None
+
+        return await self._write(send, work)
 
     async def messages(self, conversation_id: str) -> list[Message]:
         async def work(conn: Conn) -> list[Message]:
@@ -319,10 +382,7 @@ class PostgresStore:
 
     async def path(self, message_id: str) -> list[Message]:
         async def work(conn: Conn) -> list[Message]:
-            cursor = await conn.execute(
-                _pg(PATH),
-                (message_id,),
-            )
+            cursor = await conn.execute(_PATH, (message_id,))
             return [message_from_row(row) for row in await cursor.fetchall()]
 
         return await self._call(work, writes=False)
@@ -338,7 +398,7 @@ class PostgresStore:
         return await self._call(work, writes=False)
 
     async def put_response(self, response: StoredResponse) -> None:
-        async def work(conn: Conn) -> None:
+        async def send(conn: Conn) -> Read[None]:
             await conn.execute(
                 "INSERT INTO responses (id, owner, conversation_id, created_at, body,"
                 " input_items, instance, unfinished) VALUES (%s,%s,%s,%s,%s,%s,%s,%s)"
@@ -358,8 +418,9 @@ class PostgresStore:
                     is_unfinished(response.body),
                 ),
             )
+            return lambda: _done(None)
 
-        await self._call(work, writes=True)
+        await self._write(send)
 
     async def get_response(self, response_id: str, *, owner: str) -> StoredResponse | None:
         async def work(conn: Conn) -> StoredResponse | None:
@@ -540,6 +601,15 @@ class PostgresStore:
         self._queue.put_nowait(_Op(work, future))
         return await future
 
+    async def _write(self, send: Send[T], work: Work[T] | None = None) -> T:
+        """A write that can be pipelined (``send``) to the writer; ``work`` runs it on
+        its own when its batch could not be (default: ``send``, then its outcome)."""
+        if self._closing:
+            raise StoreClosed()
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._queue.put_nowait(_Op(work or _sent(send), future, send))
+        return await future
+
     async def _aside(self, work: Work[T], *, writes: bool) -> T:
         """``work`` on a pooled connection, beside the writer; a write is not undone by
         its caller's cancellation (it runs on, and close waits for it)."""
@@ -590,23 +660,33 @@ class PostgresStore:
                 return
 
     async def _run_batch(self, batch: list[_Op]) -> None:
-        """Run ``batch`` in one transaction; every outcome is final only after COMMIT."""
-        for attempt in (1, 2):
-            outcomes: list[tuple[_Op, Any, BaseException | None]] = []
-            committing = False
+        """Run ``batch`` in one transaction; every outcome is final only after COMMIT.
+
+        A batch of writes that all can be is pipelined: BEGIN and every write's
+        statements go at once, and COMMIT once they are all answered, two round trips
+        in all. If a statement fails there (a deadlock, an id another process took),
+        the transaction is rolled back and the batch runs again one write at a time,
+        each in its savepoint, so that the failing one fails alone."""
+        pipelined = all(op.send is not None for op in batch)
+        attempt = 1
+        while True:
+            self._committing = False
             try:
                 conn = await self._writer()
-                async with conn.transaction():
-                    for op in batch:
-                        outcomes.append(await self._in_savepoint(conn, op))
-                    committing = True
+                if pipelined:
+                    outcomes = await self._pipelined(conn, batch)
+                else:
+                    outcomes = await self._one_by_one(conn, batch)
                 break
+            except _Refused:
+                pipelined = False
             except Exception as exc:  # noqa: BLE001 - connect, BEGIN or a write's connection failed
                 # Nothing of the batch is durable, unless the connection died during
                 # COMMIT (then nobody knows). A connection found dead before COMMIT (the
                 # server restarted while it was idle) is replaced and the batch run again.
                 writer = self._writer_conn
-                if attempt == 1 and not committing and writer is not None and writer.broken:
+                if attempt == 1 and not self._committing and writer is not None and writer.broken:
+                    attempt += 1
                     continue
                 error = self._failed(exc)
                 outcomes = [(op, None, error) for op in batch]
@@ -619,7 +699,60 @@ class PostgresStore:
             else:
                 op.future.set_result(result)
 
-    async def _in_savepoint(self, conn: Conn, op: _Op) -> tuple[_Op, Any, BaseException | None]:
+    async def _pipelined(self, conn: Conn, batch: list[_Op]) -> list[_Outcome]:
+        """``batch`` sent at once in one transaction; raises ``_Refused`` (all rolled
+        back) if a statement failed, and the connection's error if it died.
+
+        BEGIN and COMMIT are this method's own (not ``conn.transaction()``, which in
+        pipeline mode waits for BEGIN alone and syncs thrice more): the writes and
+        BEGIN go in one round trip, COMMIT in the next, sent only once every write
+        has answered, so a connection dying before it leaves nothing committed."""
+        outcomes: list[_Outcome] = []
+        try:
+            async with conn.pipeline() as pipeline:
+                try:
+                    await conn.execute(b"BEGIN", prepare=False)
+                    reads: list[Read[Any] | BaseException] = []
+                    for op in batch:
+                        assert op.send is not None
+                        try:
+                            reads.append(await op.send(conn))
+                        except psycopg.Error:
+                            raise
+                        except Exception as exc:  # noqa: BLE001 - failed before it was sent
+                            reads.append(exc)
+                    await pipeline.sync()
+                    for op, read in zip(batch, reads, strict=True):
+                        if isinstance(read, BaseException):
+                            outcomes.append((op, None, read))
+                            continue
+                        try:
+                            outcomes.append((op, await read(), None))
+                        except psycopg.Error:
+                            raise
+                        except Exception as exc:  # noqa: BLE001 - handed to the awaiting task
+                            outcomes.append((op, None, exc))
+                except BaseException:
+                    if not conn.broken:  # (sent as the pipeline ends)
+                        await conn.execute(b"ROLLBACK", prepare=False)
+                    raise
+                self._committing = True
+                await conn.execute(b"COMMIT", prepare=False)  # sent and answered as it ends
+        except psycopg.Error as exc:
+            if conn.broken:
+                raise
+            raise _Refused() from exc
+        return outcomes
+
+    async def _one_by_one(self, conn: Conn, batch: list[_Op]) -> list[_Outcome]:
+        outcomes: list[_Outcome] = []
+        async with conn.transaction():
+            for op in batch:
+                outcomes.append(await self._in_savepoint(conn, op))
+            self._committing = True
+        return outcomes
+
+    async def _in_savepoint(self, conn: Conn, op: _Op) -> _Outcome:
         """One write in its own savepoint: a failing one is rolled back alone; one that
         lost a deadlock to another process is tried again."""
         assert op.work is not None
@@ -650,52 +783,74 @@ class PostgresStore:
             self._url, autocommit=True, connect_timeout=int(_CONNECT_TIMEOUT)
         )
 
-    async def _insert_messages(
+    async def _send_messages(
         self,
         conn: Conn,
         conversation_id: str,
         batch: tuple[NewMessage, ...],
         advance_head: bool,
-    ) -> list[Message]:
-        # The row lock: another process adding to this conversation waits for our commit.
-        cursor = await conn.execute(
-            "SELECT head_id FROM conversations WHERE id = %s FOR UPDATE", (conversation_id,)
-        )
-        row = await cursor.fetchone()
-        if row is None:
-            raise UnknownConversation(conversation_id)
-        # Every id the batch names, looked up at once: a parent's conversation, ids taken.
-        named = sorted({m.parent_id for m in batch if m.parent_id} | {m.id for m in batch if m.id})
-        known: dict[str, str] = {}
-        if named:
-            cursor = await conn.execute(
-                "SELECT id, conversation_id FROM messages WHERE id = ANY(%s)", (named,)
-            )
-            known = {message_id: owner for message_id, owner in await cursor.fetchall()}
+    ) -> Read[list[Message]]:
+        """``batch`` planned without reading the database, and sent as one call of
+        ``sluice_add_messages``, which checks what the plan took for granted under the
+        conversation's row lock (another process adding to it waits for our commit)."""
+        parents: list[str] = []  # named parents, taken for this conversation's
+        ids: list[str] = []  # caller-given ids, taken for free
+
+        def parent_conversation(message_id: str) -> str:
+            parents.append(message_id)
+            return conversation_id
+
+        def taken(message_id: str) -> bool:
+            ids.append(message_id)
+            return False
+
         stored = plan_messages(
             conversation_id,
-            head=row[0],
+            head=_HEAD,
             batch=batch,
-            parent_conversation=known.get,
-            taken=known.__contains__,
+            parent_conversation=parent_conversation,
+            taken=taken,
             now=self._clock.now,
         )
-        try:  # (a failure here rolls the write's savepoint back)
-            async with conn.cursor() as insert:
-                await insert.executemany(
-                    _pg(INSERT_MESSAGE), [message_row(message) for message in stored]
-                )
-        except psycopg.errors.UniqueViolation:
-            # another process took a caller-given id since we looked
-            given = [m.id for m in batch if m.id is not None]
-            if not given:
-                raise
-            raise DuplicateMessageId(given[0]) from None
-        await conn.execute(
-            _pg(ADVANCE),
-            (self._clock.now(), len(stored), advance_head, stored[-1].id, conversation_id),
+        head_parent = stored[0].parent_id == _HEAD
+        rows = [[row[i] for i in _SENT_COLUMNS] for row in map(message_row, stored)]
+        if head_parent:
+            rows[0][_SENT_COLUMNS.index(_PARENT)] = None  # the function's to fill
+        cursor = await conn.execute(
+            "SELECT head, missing_parents, taken_ids FROM sluice_add_messages("
+            "%s, %s, %s, %s, %s::text[], %s::text[], %s::text[], %s::float8[])",
+            (
+                conversation_id,
+                advance_head,
+                self._clock.now(),
+                head_parent,
+                parents,
+                ids,
+                rows,
+                [message.created_at for message in stored],
+            ),
         )
-        return stored
+
+        async def read() -> list[Message]:
+            row = await cursor.fetchone()
+            if row is None:
+                raise UnknownConversation(conversation_id)
+            head, missing, taken_ids = row
+            if missing or taken_ids:  # nothing was written: the rule broken first
+                plan_messages(
+                    conversation_id,
+                    head=head,
+                    batch=batch,
+                    parent_conversation=lambda m: None if m in missing else conversation_id,
+                    taken=taken_ids.__contains__,
+                    now=self._clock.now,
+                )
+                raise AssertionError(f"the plan of {missing} {taken_ids} broke no rule")
+            if head_parent:
+                stored[0] = dataclasses.replace(stored[0], parent_id=head)
+            return stored
+
+        return read
 
     async def _end_orphans(self, conn: Conn, *, own: bool = True) -> int:
         """Fail the unfinished responses of instances gone, and (``own``: at start) those
@@ -797,6 +952,10 @@ class PostgresStore:
         error = StoreFailed("The conversation store failed.")
         error.__cause__ = exc
         return error
+
+
+async def _done(value: T) -> T:
+    return value
 
 
 def _user_is(user_id: str | None) -> str:

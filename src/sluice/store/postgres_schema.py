@@ -149,6 +149,66 @@ MIGRATIONS: tuple[str, ...] = (
     CREATE INDEX response_events_by_time ON response_events (at);
     ALTER TABLE responses ADD COLUMN cancel_requested BOOLEAN NOT NULL DEFAULT false;
     """,
+    # 3: add_messages as one statement, so the writer can send a whole batch of writes
+    # at once (pipelined) and wait once. The caller planned the messages (ids, times, the
+    # chain) without reading the database, and names what its plan took for granted:
+    # p_parents are messages of this conversation, p_ids are not taken. Under the
+    # conversation's row lock (each statement then sees a fresh snapshot: what others
+    # committed before the lock was granted), the function checks those, and inserts
+    # the messages and moves the head only if all hold; the first message's parent is
+    # the head read under the lock when p_head_parent. It raises for nothing the caller
+    # did wrong: no row is an unknown conversation (nothing written); a parent or an id
+    # it names back is a broken rule (nothing written). p_messages: one row a message,
+    # the columns below (sluice/store/common.py's MESSAGE_FIELDS but conversation_id and
+    # created_at, given apart). A migration that adds a column to messages redefines it.
+    """
+    CREATE FUNCTION sluice_add_messages(
+        p_conversation TEXT,
+        p_advance BOOLEAN,
+        p_now DOUBLE PRECISION,
+        p_head_parent BOOLEAN,
+        p_parents TEXT[],
+        p_ids TEXT[],
+        p_messages TEXT[],
+        p_created DOUBLE PRECISION[]
+    ) RETURNS TABLE (head TEXT, missing_parents TEXT[], taken_ids TEXT[])
+    LANGUAGE plpgsql VOLATILE AS $$
+    DECLARE
+        v_head TEXT;
+        v_missing TEXT[];
+        v_taken TEXT[];
+        v_count INTEGER := cardinality(p_created);
+    BEGIN
+        SELECT c.head_id INTO v_head FROM conversations AS c
+            WHERE c.id = p_conversation FOR UPDATE;
+        IF NOT FOUND THEN
+            RETURN;
+        END IF;
+        v_missing := ARRAY(SELECT p FROM unnest(p_parents) AS p WHERE NOT EXISTS (
+            SELECT 1 FROM messages AS m WHERE m.id = p AND m.conversation_id = p_conversation));
+        v_taken := ARRAY(SELECT g FROM unnest(p_ids) AS g WHERE EXISTS (
+            SELECT 1 FROM messages AS m WHERE m.id = g));
+        IF cardinality(v_missing) = 0 AND cardinality(v_taken) = 0 THEN
+            FOR i IN 1 .. v_count LOOP  -- one INSERT each: seq follows the batch's order
+                INSERT INTO messages (id, conversation_id, parent_id, role, content,
+                    created_at, status, model, reasoning, tool_calls, tool_call_id, name,
+                    usage, error, finish_reason)
+                VALUES (p_messages[i][1], p_conversation,
+                    CASE WHEN i = 1 AND p_head_parent THEN v_head ELSE p_messages[i][2] END,
+                    p_messages[i][3], p_messages[i][4], p_created[i], p_messages[i][5],
+                    p_messages[i][6], p_messages[i][7], p_messages[i][8], p_messages[i][9],
+                    p_messages[i][10], p_messages[i][11], p_messages[i][12],
+                    p_messages[i][13]);
+            END LOOP;
+            UPDATE conversations AS c SET updated_at = p_now,
+                message_count = c.message_count + v_count,
+                head_id = CASE WHEN p_advance THEN p_messages[v_count][1] ELSE c.head_id END
+                WHERE c.id = p_conversation;
+        END IF;
+        RETURN QUERY SELECT v_head, v_missing, v_taken;
+    END
+    $$;
+    """,
 )
 
 
