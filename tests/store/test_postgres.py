@@ -16,6 +16,7 @@ import psycopg
 import pytest
 
 from sluice.store import (
+    DuplicateMessageId,
     NewMessage,
     PostgresStore,
     SQLiteStore,
@@ -207,9 +208,24 @@ async def test_a_batch_whose_statement_fails_runs_again_one_write_at_a_time(
         assert isinstance(refused, StoreFailed)
         assert second.parent_id == first.id and renamed.title == "named"
         assert [m.content for m in await store.messages(conv.id)] == ["first", "second"]
-        # and the writer goes on pipelining
-        third = await store.add_message(conv.id, NewMessage(role="user", content="third"))
-        assert third.parent_id == second.id and batches == [1, 4]
+        # and the writer goes on pipelining: writes refused before they are sent (an id
+        # twice, content that is no JSON) fail alone there, between good ones
+        busy = asyncio.ensure_future(store._call(lambda conn: asyncio.sleep(0.05), writes=True))
+        await asyncio.sleep(0.01)
+        twice = [NewMessage(role="user", content="a", id="x"), NewMessage(role="user", id="x")]
+        again: tuple[Any, ...] = await asyncio.gather(
+            store.add_message(conv.id, NewMessage(role="user", content="third")),
+            store.add_messages(conv.id, twice),
+            store.add_message(conv.id, NewMessage(role="user", content=object())),
+            store.add_message(conv.id, NewMessage(role="user", content="fourth")),
+            return_exceptions=True,
+        )
+        await busy
+        third, duplicate, not_json, fourth = again
+        assert isinstance(duplicate, DuplicateMessageId) and isinstance(not_json, TypeError)
+        assert (third.parent_id, fourth.parent_id) == (second.id, third.id)
+        assert batches == [1, 4, 1]  # only the held write ran on its own
+        assert [m.content for m in await store.messages(conv.id)][2:] == ["third", "fourth"]
 
 
 def _response(response_id: str, status: str) -> StoredResponse:

@@ -44,10 +44,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import os
 import secrets
 import socket
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Self, TypeVar
 
@@ -127,26 +129,106 @@ _PATH = f"""
 # The head in a plan made without reading it: no id (PostgreSQL's text holds no NUL);
 # sluice_add_messages puts the head it reads under the lock in its place.
 _HEAD = "\0head"
-# The columns of a message row sluice_add_messages takes per message, in its order:
-# all but conversation_id and created_at (given apart).
 _PARENT = MESSAGE_FIELDS.index("parent_id")
-_SENT_COLUMNS = tuple(
-    i for i, name in enumerate(MESSAGE_FIELDS) if name not in ("conversation_id", "created_at")
-)
+
+
+class _Plan:
+    """An add_messages write planned without reading the database: the write as
+    ``sluice_add_messages`` takes it (``item``), and its outcome from the row it returns
+    (raising UnknownConversation, InvalidParent or DuplicateMessageId as the row says)."""
+
+    __slots__ = ("batch", "conversation_id", "head_parent", "item", "stored")
+
+    def __init__(
+        self, conversation_id: str, batch: tuple[NewMessage, ...], advance: bool, clock: Clock
+    ) -> None:
+        parents: list[str] = []  # named parents, taken for this conversation's
+        ids: list[str] = []  # caller-given ids, taken for free
+
+        def parent_conversation(message_id: str) -> str:
+            parents.append(message_id)
+            return conversation_id
+
+        def taken(message_id: str) -> bool:
+            ids.append(message_id)
+            return False
+
+        self.conversation_id = conversation_id
+        self.batch = batch
+        self.stored = plan_messages(
+            conversation_id,
+            head=_HEAD,
+            batch=batch,
+            parent_conversation=parent_conversation,
+            taken=taken,
+            now=clock.now,
+        )
+        self.head_parent = self.stored[0].parent_id == _HEAD
+        rows = [list(message_row(message)) for message in self.stored]
+        if self.head_parent:
+            rows[0][_PARENT] = None  # the function's to fill
+        self.item = {
+            "conversation": conversation_id,
+            "advance": advance,
+            "now": clock.now(),
+            "head_parent": self.head_parent,
+            "parents": parents,
+            "ids": ids,
+            "messages": rows,
+        }
+
+    def outcome(self, row: Sequence[Any]) -> list[Message]:
+        known, head, missing, taken_ids = row
+        if not known:
+            raise UnknownConversation(self.conversation_id)
+        if missing or taken_ids:  # nothing was written: raise the rule broken first
+            plan_messages(
+                self.conversation_id,
+                head=head,
+                batch=self.batch,
+                parent_conversation=lambda m: None if m in missing else self.conversation_id,
+                taken=taken_ids.__contains__,
+                now=time.time,
+            )
+            raise AssertionError(f"the plan of {missing} {taken_ids} broke no rule")
+        if self.head_parent:
+            self.stored[0] = dataclasses.replace(self.stored[0], parent_id=head)
+        return self.stored
+
+
+async def _send_plans(conn: Conn, plans: list[_Plan]) -> list[Read[list[Message]]]:
+    """``plans`` sent as one call; how to read each one's outcome once answered."""
+    cursor = await conn.execute(
+        "SELECT known, head, missing_parents, taken_ids FROM sluice_add_messages(%s::jsonb)",
+        (to_json([plan.item for plan in plans]),),
+    )
+    rows: list[Any] = []
+
+    async def read(plan: _Plan, k: int) -> list[Message]:
+        if not rows:
+            rows.extend(await cursor.fetchall())
+        return plan.outcome(rows[k])
+
+    return [functools.partial(read, plan, k) for k, plan in enumerate(plans)]
 
 
 class _Op:
     """One queued write: ``work`` runs on the writer's connection, its outcome goes to
     ``future``; ``send``, when the write has that form, is it pipelined."""
 
-    __slots__ = ("future", "send", "work")
+    __slots__ = ("future", "plan", "send", "work")
 
     def __init__(
-        self, work: Work[Any] | None, future: asyncio.Future[Any], send: Send[Any] | None = None
+        self,
+        work: Work[Any] | None,
+        future: asyncio.Future[Any],
+        send: Send[Any] | None = None,
+        plan: Callable[[], _Plan] | None = None,
     ) -> None:
         self.work = work  # None: the close marker
         self.future = future
         self.send = send
+        self.plan = plan  # add_messages: what it writes, sent with its neighbours' in one call
 
 
 _Outcome = tuple[_Op, Any, BaseException | None]
@@ -355,12 +437,13 @@ class PostgresStore:
         if not batch:
             return []
 
-        async def send(conn: Conn) -> Read[list[Message]]:
-            return await self._send_messages(conn, conversation_id, batch, advance_head)
+        def plan() -> _Plan:
+            return _Plan(conversation_id, batch, advance_head, self._clock)
 
         async def work(conn: Conn) -> list[Message]:
             try:
-                return await _sent(send)(conn)
+                (read,) = await _send_plans(conn, [plan()])
+                return await read()
             except psycopg.errors.UniqueViolation:
                 # another process took a caller-given id since we looked
                 given = [m.id for m in batch if m.id is not None]
@@ -368,7 +451,11 @@ class PostgresStore:
                     raise
                 raise DuplicateMessageId(given[0]) from None
 
-        return await self._write(send, work)
+        if self._closing:
+            raise StoreClosed()
+        future: asyncio.Future[list[Message]] = asyncio.get_running_loop().create_future()
+        self._queue.put_nowait(_Op(work, future, plan=plan))
+        return await future
 
     async def messages(self, conversation_id: str) -> list[Message]:
         async def work(conn: Conn) -> list[Message]:
@@ -667,7 +754,7 @@ class PostgresStore:
         in all. If a statement fails there (a deadlock, an id another process took),
         the transaction is rolled back and the batch runs again one write at a time,
         each in its savepoint, so that the failing one fails alone."""
-        pipelined = all(op.send is not None for op in batch)
+        pipelined = all(op.send is not None or op.plan is not None for op in batch)
         attempt = 1
         while True:
             self._committing = False
@@ -712,22 +799,34 @@ class PostgresStore:
             async with conn.pipeline() as pipeline:
                 try:
                     await conn.execute(b"BEGIN", prepare=False)
-                    reads: list[Read[Any] | BaseException] = []
-                    for op in batch:
-                        assert op.send is not None
+                    reads: list[Read[Any] | BaseException | None] = [None] * len(batch)
+                    plans: dict[int, _Plan] = {}  # add_messages in a row: one call
+                    for i, op in enumerate([*batch, None]):
+                        if plans and (op is None or op.plan is None):
+                            sent = await _send_plans(conn, list(plans.values()))
+                            for k, sent_read in zip(plans, sent, strict=True):
+                                reads[k] = sent_read
+                            plans = {}
+                        if op is None:
+                            break
                         try:
-                            reads.append(await op.send(conn))
+                            if op.plan is not None:
+                                plans[i] = op.plan()
+                                continue
+                            assert op.send is not None
+                            reads[i] = await op.send(conn)
                         except psycopg.Error:
                             raise
                         except Exception as exc:  # noqa: BLE001 - failed before it was sent
-                            reads.append(exc)
+                            reads[i] = exc
                     await pipeline.sync()
-                    for op, read in zip(batch, reads, strict=True):
-                        if isinstance(read, BaseException):
-                            outcomes.append((op, None, read))
+                    for op, answer in zip(batch, reads, strict=True):
+                        assert answer is not None
+                        if isinstance(answer, BaseException):
+                            outcomes.append((op, None, answer))
                             continue
                         try:
-                            outcomes.append((op, await read(), None))
+                            outcomes.append((op, await answer(), None))
                         except psycopg.Error:
                             raise
                         except Exception as exc:  # noqa: BLE001 - handed to the awaiting task
@@ -782,75 +881,6 @@ class PostgresStore:
         return await psycopg.AsyncConnection.connect(
             self._url, autocommit=True, connect_timeout=int(_CONNECT_TIMEOUT)
         )
-
-    async def _send_messages(
-        self,
-        conn: Conn,
-        conversation_id: str,
-        batch: tuple[NewMessage, ...],
-        advance_head: bool,
-    ) -> Read[list[Message]]:
-        """``batch`` planned without reading the database, and sent as one call of
-        ``sluice_add_messages``, which checks what the plan took for granted under the
-        conversation's row lock (another process adding to it waits for our commit)."""
-        parents: list[str] = []  # named parents, taken for this conversation's
-        ids: list[str] = []  # caller-given ids, taken for free
-
-        def parent_conversation(message_id: str) -> str:
-            parents.append(message_id)
-            return conversation_id
-
-        def taken(message_id: str) -> bool:
-            ids.append(message_id)
-            return False
-
-        stored = plan_messages(
-            conversation_id,
-            head=_HEAD,
-            batch=batch,
-            parent_conversation=parent_conversation,
-            taken=taken,
-            now=self._clock.now,
-        )
-        head_parent = stored[0].parent_id == _HEAD
-        rows = [[row[i] for i in _SENT_COLUMNS] for row in map(message_row, stored)]
-        if head_parent:
-            rows[0][_SENT_COLUMNS.index(_PARENT)] = None  # the function's to fill
-        cursor = await conn.execute(
-            "SELECT head, missing_parents, taken_ids FROM sluice_add_messages("
-            "%s, %s, %s, %s, %s::text[], %s::text[], %s::text[], %s::float8[])",
-            (
-                conversation_id,
-                advance_head,
-                self._clock.now(),
-                head_parent,
-                parents,
-                ids,
-                rows,
-                [message.created_at for message in stored],
-            ),
-        )
-
-        async def read() -> list[Message]:
-            row = await cursor.fetchone()
-            if row is None:
-                raise UnknownConversation(conversation_id)
-            head, missing, taken_ids = row
-            if missing or taken_ids:  # nothing was written: the rule broken first
-                plan_messages(
-                    conversation_id,
-                    head=head,
-                    batch=batch,
-                    parent_conversation=lambda m: None if m in missing else conversation_id,
-                    taken=taken_ids.__contains__,
-                    now=self._clock.now,
-                )
-                raise AssertionError(f"the plan of {missing} {taken_ids} broke no rule")
-            if head_parent:
-                stored[0] = dataclasses.replace(stored[0], parent_id=head)
-            return stored
-
-        return read
 
     async def _end_orphans(self, conn: Conn, *, own: bool = True) -> int:
         """Fail the unfinished responses of instances gone, and (``own``: at start) those

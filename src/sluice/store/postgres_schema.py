@@ -149,63 +149,74 @@ MIGRATIONS: tuple[str, ...] = (
     CREATE INDEX response_events_by_time ON response_events (at);
     ALTER TABLE responses ADD COLUMN cancel_requested BOOLEAN NOT NULL DEFAULT false;
     """,
-    # 3: add_messages as one statement, so the writer can send a whole batch of writes
-    # at once (pipelined) and wait once. The caller planned the messages (ids, times, the
-    # chain) without reading the database, and names what its plan took for granted:
-    # p_parents are messages of this conversation, p_ids are not taken. Under the
-    # conversation's row lock (each statement then sees a fresh snapshot: what others
-    # committed before the lock was granted), the function checks those, and inserts
-    # the messages and moves the head only if all hold; the first message's parent is
-    # the head read under the lock when p_head_parent. It raises for nothing the caller
-    # did wrong: no row is an unknown conversation (nothing written); a parent or an id
-    # it names back is a broken rule (nothing written). p_messages: one row a message,
-    # the columns below (sluice/store/common.py's MESSAGE_FIELDS but conversation_id and
-    # created_at, given apart). A migration that adds a column to messages redefines it.
+    # 3: add_messages writes in one call, so the writer can send a whole batch of
+    # writes at once (pipelined) and wait once. p_writes: a JSON array of writes, each
+    # {"conversation", "advance", "now", "head_parent", "parents", "ids", "messages"},
+    # planned by the caller without reading the database (ids, times, the chain):
+    # "messages" are rows of the messages table's columns in sluice/store/common.py's
+    # MESSAGE_FIELDS order (a migration adding a column redefines this function), and
+    # "parents" and "ids" name what the plan took for granted: messages of this
+    # conversation, ids not taken. For each write, in order, under its conversation's
+    # row lock (each statement then sees a fresh snapshot: what others committed before
+    # the lock was granted), the function checks those and inserts the messages and
+    # moves the head only if all hold, the first message's parent being the head read
+    # under the lock when "head_parent". One row a write, in order; it raises for
+    # nothing a caller did wrong: not known is an unknown conversation, a parent or an
+    # id named back a broken rule (either way that write wrote nothing).
     """
-    CREATE FUNCTION sluice_add_messages(
-        p_conversation TEXT,
-        p_advance BOOLEAN,
-        p_now DOUBLE PRECISION,
-        p_head_parent BOOLEAN,
-        p_parents TEXT[],
-        p_ids TEXT[],
-        p_messages TEXT[],
-        p_created DOUBLE PRECISION[]
-    ) RETURNS TABLE (head TEXT, missing_parents TEXT[], taken_ids TEXT[])
+    CREATE FUNCTION sluice_add_messages(p_writes JSONB)
+    RETURNS TABLE (known BOOLEAN, head TEXT, missing_parents TEXT[], taken_ids TEXT[])
     LANGUAGE plpgsql VOLATILE AS $$
     DECLARE
-        v_head TEXT;
-        v_missing TEXT[];
-        v_taken TEXT[];
-        v_count INTEGER := cardinality(p_created);
+        w JSONB;
+        m JSONB;
+        v_conversation TEXT;
+        v_count INTEGER;
+        v_last TEXT;
     BEGIN
-        SELECT c.head_id INTO v_head FROM conversations AS c
-            WHERE c.id = p_conversation FOR UPDATE;
-        IF NOT FOUND THEN
-            RETURN;
-        END IF;
-        v_missing := ARRAY(SELECT p FROM unnest(p_parents) AS p WHERE NOT EXISTS (
-            SELECT 1 FROM messages AS m WHERE m.id = p AND m.conversation_id = p_conversation));
-        v_taken := ARRAY(SELECT g FROM unnest(p_ids) AS g WHERE EXISTS (
-            SELECT 1 FROM messages AS m WHERE m.id = g));
-        IF cardinality(v_missing) = 0 AND cardinality(v_taken) = 0 THEN
-            FOR i IN 1 .. v_count LOOP  -- one INSERT each: seq follows the batch's order
-                INSERT INTO messages (id, conversation_id, parent_id, role, content,
-                    created_at, status, model, reasoning, tool_calls, tool_call_id, name,
-                    usage, error, finish_reason)
-                VALUES (p_messages[i][1], p_conversation,
-                    CASE WHEN i = 1 AND p_head_parent THEN v_head ELSE p_messages[i][2] END,
-                    p_messages[i][3], p_messages[i][4], p_created[i], p_messages[i][5],
-                    p_messages[i][6], p_messages[i][7], p_messages[i][8], p_messages[i][9],
-                    p_messages[i][10], p_messages[i][11], p_messages[i][12],
-                    p_messages[i][13]);
-            END LOOP;
-            UPDATE conversations AS c SET updated_at = p_now,
-                message_count = c.message_count + v_count,
-                head_id = CASE WHEN p_advance THEN p_messages[v_count][1] ELSE c.head_id END
-                WHERE c.id = p_conversation;
-        END IF;
-        RETURN QUERY SELECT v_head, v_missing, v_taken;
+        FOR w IN SELECT e.value FROM jsonb_array_elements(p_writes) WITH ORDINALITY AS e
+            ORDER BY e.ordinality
+        LOOP
+            v_conversation := w->>'conversation';
+            head := NULL;
+            missing_parents := '{}';
+            taken_ids := '{}';
+            SELECT c.head_id INTO head FROM conversations AS c
+                WHERE c.id = v_conversation FOR UPDATE;
+            known := FOUND;
+            IF known THEN
+                missing_parents := ARRAY(
+                    SELECT p FROM jsonb_array_elements_text(w->'parents') AS p
+                    WHERE NOT EXISTS (SELECT 1 FROM messages AS o
+                        WHERE o.id = p AND o.conversation_id = v_conversation));
+                taken_ids := ARRAY(
+                    SELECT g FROM jsonb_array_elements_text(w->'ids') AS g
+                    WHERE EXISTS (SELECT 1 FROM messages AS o WHERE o.id = g));
+            END IF;
+            IF known AND cardinality(missing_parents) = 0 AND cardinality(taken_ids) = 0 THEN
+                v_count := 0;
+                FOR m IN SELECT e.value FROM jsonb_array_elements(w->'messages')
+                    WITH ORDINALITY AS e ORDER BY e.ordinality
+                LOOP  -- one INSERT each: seq follows the write's order
+                    v_count := v_count + 1;
+                    v_last := m->>0;
+                    INSERT INTO messages (id, conversation_id, parent_id, role, content,
+                        created_at, status, model, reasoning, tool_calls, tool_call_id,
+                        name, usage, error, finish_reason)
+                    VALUES (m->>0, v_conversation,
+                        CASE WHEN v_count = 1 AND (w->>'head_parent')::BOOLEAN
+                            THEN head ELSE m->>2 END,
+                        m->>3, m->>4, (m->>5)::DOUBLE PRECISION, m->>6, m->>7, m->>8,
+                        m->>9, m->>10, m->>11, m->>12, m->>13, m->>14);
+                END LOOP;
+                UPDATE conversations AS c SET updated_at = (w->>'now')::DOUBLE PRECISION,
+                    message_count = c.message_count + v_count,
+                    head_id = CASE WHEN (w->>'advance')::BOOLEAN THEN v_last
+                        ELSE c.head_id END
+                    WHERE c.id = v_conversation;
+            END IF;
+            RETURN NEXT;
+        END LOOP;
     END
     $$;
     """,
