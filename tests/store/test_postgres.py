@@ -227,6 +227,25 @@ async def test_a_batch_whose_statement_fails_runs_again_one_write_at_a_time(
         assert batches == [1, 4, 1]  # only the held write ran on its own
         assert [m.content for m in await store.messages(conv.id)][2:] == ["third", "fourth"]
 
+        # the failure seen while the batch is still being sent (here a write that takes
+        # its time to send lets the refusal arrive first): rolled back all the same
+        async def slow(conn: Any) -> Any:
+            await asyncio.sleep(0.05)
+            cursor = await conn.execute("SELECT 1")
+            return lambda: cursor.fetchone()
+
+        busy = asyncio.ensure_future(store._call(lambda conn: asyncio.sleep(0.05), writes=True))
+        await asyncio.sleep(0.01)
+        late: tuple[Any, ...] = await asyncio.gather(
+            store.add_message(conv.id, NewMessage(role="user", content="refused")),
+            store._write(slow),
+            store.add_message(conv.id, NewMessage(role="user", content="fifth")),
+            return_exceptions=True,
+        )
+        await busy
+        assert isinstance(late[0], StoreFailed) and late[1] == (1,)
+        assert late[2].parent_id == fourth.id and batches == [1, 4, 1, 1, 3]
+
 
 def _response(response_id: str, status: str) -> StoredResponse:
     body = {"id": response_id, "object": "response", "status": status, "output": []}

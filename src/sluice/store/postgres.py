@@ -43,6 +43,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -832,8 +833,13 @@ class PostgresStore:
                         except Exception as exc:  # noqa: BLE001 - handed to the awaiting task
                             outcomes.append((op, None, exc))
                 except BaseException:
-                    if not conn.broken:  # (sent as the pipeline ends)
-                        await conn.execute(b"ROLLBACK", prepare=False)
+                    if not conn.broken:  # roll the failed transaction back
+                        with contextlib.suppress(psycopg.Error):
+                            # after an error the server skips all to the next Sync: the
+                            # ROLLBACK must come after one
+                            await pipeline.sync()
+                        with contextlib.suppress(psycopg.Error):  # (sent as the pipeline ends)
+                            await conn.execute(b"ROLLBACK", prepare=False)
                     raise
                 self._committing = True
                 await conn.execute(b"COMMIT", prepare=False)  # sent and answered as it ends
