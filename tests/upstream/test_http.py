@@ -25,7 +25,7 @@ import pytest
 from sluice.upstream.sse import SSEDecoder
 from tests.support.fakes import ScriptedRunner
 from tests.support.helpers import CHAT, parse_sse, scripted_server
-from tests.support.servers import free_port
+from tests.support.servers import free_port, slow_socket
 
 GOOD_EVENTS = [
     {"choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]},
@@ -244,6 +244,19 @@ class Upstream:
                     sock, sse_event({"choices": [{"index": 0, "delta": {"content": f"{i}"}}]})
                 )
                 time.sleep(0.05)
+        except OSError:
+            self.disconnected.set()
+        return False
+
+    def _flood(self, sock: socket.socket, body: dict[str, Any]) -> bool:
+        """Events of 1 KB as fast as the socket takes them: 8 MB in all."""
+        self._stream_head(sock)
+        event = sse_event({"choices": [{"index": 0, "delta": {"content": "x" * 1000}}]})
+        try:
+            for _ in range(8000):
+                self._chunk(sock, event)
+            self._chunk(sock, b"data: [DONE]\n\n")
+            sock.sendall(b"0\r\n\r\n")
         except OSError:
             self.disconnected.set()
         return False
@@ -519,6 +532,25 @@ def test_client_disconnect_closes_the_upstream_request() -> None:
             for _ in r.iter_raw():
                 break
         assert up.disconnected.wait(3), "the upstream kept streaming to nobody"
+
+
+def test_a_client_that_reads_nothing_pauses_the_upstream_then_is_dropped() -> None:
+    """Events relayed straight from socket to socket: a client that stops reading pauses
+    the upstream's socket (the gateway does not take 8 MB into memory for it), and after
+    the stall timeout its request is dropped and the upstream request closed."""
+    lines = ["[[upstreams]]", 'name = "up"', 'models = ["m1"]']
+    with upstreams("flood") as (up,), tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "sluice.toml"
+        config.write_text("\n".join([*lines, f'urls = ["{up.url}"]']) + "\n")
+        with scripted_server(ScriptedRunner(), config=str(config), stall_timeout=1.0) as base:
+            body = {"model": "m1", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+            sock = slow_socket(base, CHAT, body)
+            try:
+                assert up.disconnected.wait(15), "the upstream was read to its end"
+            finally:
+                sock.close()
+            # The gateway goes on serving.
+            assert httpx.get(f"{base}/health", timeout=5).status_code == 200
 
 
 def test_a_down_replica_takes_traffic_again_once_it_answers() -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
@@ -32,6 +32,8 @@ from sluice.core.errors import InternalError, SluiceError
 from sluice.server.sse import (
     PING,
     SSE_HEADERS,
+    Relayed,
+    RelayResponse,
     SSEResponse,
     error_frame,
     error_response,
@@ -173,7 +175,7 @@ async def forward(
     bytes forwarded as they come."""
     as_array = json_stream and answer.status == 200 and not answer.streaming
     if answer.streaming or as_array:
-        return SSEResponse(  # type: ignore[return-value]
+        streamed = SSEResponse(
             # A failure after the first byte ends the stream with the dialect's frame.
             answer.stream_array() if as_array else answer.stream(),
             on_close=answer.close,
@@ -182,6 +184,17 @@ async def forward(
             stall_timeout=settings.stall_timeout,
             headers=answer.headers(),
             base_headers=[(b"x-accel-buffering", b"no")],
+        )
+        if as_array or not getattr(answer, "relayable", False):
+            return streamed  # type: ignore[return-value]
+        # SSE events straight from the upstream's socket to the client's (uvicorn).
+        return RelayResponse(  # type: ignore[return-value]
+            cast(Relayed, answer),
+            streamed,
+            on_close=answer.close,
+            stall_timeout=settings.stall_timeout,
+            headers=streamed.headers,
+            failure_frame=failure_frame,
         )
     try:
         body = await run_until_disconnect(raw_request.receive, answer.read())

@@ -272,16 +272,152 @@ class SSEResponse:
                 pinger.cancel()
             if stall_timer is not None:
                 stall_timer.cancel()
-            closing = self.on_close()
-            if closing is not None:
-                # Shielded: a cancelled response must still abort and release its work.
-                await asyncio.shield(asyncio.ensure_future(closing))
-        if stalled:
-            log.warning(
-                "a streaming client read nothing for %gs: its request was aborted",
-                self.stall_timeout,
-            )
-            await _drop_connection(receive)
+            await _closed(self.on_close, stalled, self.stall_timeout, receive)
+
+
+async def _closed(
+    on_close: Callable[[], Awaitable[None] | None],
+    stalled: bool,
+    stall_timeout: float,
+    receive: Receive,
+) -> None:
+    """A stream's end, however it came: its work closed, and a stalled client dropped."""
+    closing = on_close()
+    if closing is not None:
+        # Shielded: a cancelled response must still abort and release its work.
+        await asyncio.shield(asyncio.ensure_future(closing))
+    if stalled:
+        log.warning(
+            "a streaming client read nothing for %gs: its request was aborted", stall_timeout
+        )
+        await _drop_connection(receive)
+
+
+class Relayed(Protocol):
+    """What :class:`RelayResponse` forwards (``upstream.backend.Passthrough``)."""
+
+    def relay(self, write: Callable[[bytes], None]) -> Any:
+        """Start handing whole events to ``write``; the relay (``done``, ``pause``,
+        ``resume``: ``upstream.backend.Relay``)."""
+        ...
+
+
+# A client this far behind (bytes in its socket's write buffer) pauses the upstream.
+RELAY_HIGH_WATER = 64 * 1024
+
+
+class RelayResponse:
+    """An upstream's SSE events to the client at the wire's pace: written to the client's
+    transport by the upstream connection's own callback as they arrive
+    (``Passthrough.relay``), with no task woken and no ASGI message per event, which is
+    what an event cost a gateway (``benchmarks/fanout.py``). The head and the end go
+    through ASGI as usual; the body bytes take the chunked framing the server chose.
+
+    A client that reads slowly: past :data:`RELAY_HIGH_WATER` buffered bytes the
+    upstream's socket is paused until the server's flow control says the client caught
+    up; paused longer than ``stall_timeout`` s ends the response as :class:`SSEResponse`
+    does. A disconnect ends it at once (``on_close`` aborts the upstream request). An
+    error after the first byte (the upstream dropped the stream; a cancel) ends it with
+    ``failure_frame``. Under a server that is not uvicorn, ``fallback`` answers.
+    """
+
+    def __init__(
+        self,
+        answer: Relayed,
+        fallback: SSEResponse,
+        *,
+        on_close: Callable[[], Awaitable[None] | None],
+        stall_timeout: float,
+        headers: list[tuple[bytes, bytes]],
+        failure_frame: Callable[[BaseException], bytes],
+    ) -> None:
+        self.answer = answer
+        self.fallback = fallback
+        self.on_close = on_close
+        self.stall_timeout = stall_timeout
+        self.headers = headers
+        self.failure_frame = failure_frame
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body_send: Any = scope.get(RAW_SEND, send)
+        # uvicorn's send is a method of the request cycle, which holds the transport,
+        # the flow control and whether the body is chunked.
+        cycle: Any = getattr(body_send, "__self__", None)
+        transport: Any = getattr(cycle, "transport", None)
+        flow: Any = getattr(cycle, "flow", None)
+        if transport is None or flow is None or not hasattr(cycle, "chunked_encoding"):
+            await self.fallback(scope, receive, send)
+            return
+        loop = asyncio.get_running_loop()
+        await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+        chunked = bool(cycle.chunked_encoding)
+        state = _RelayState(loop)
+
+        def write(data: bytes) -> None:
+            if transport.is_closing():
+                return
+            transport.write(b"%x\r\n%b\r\n" % (len(data), data) if chunked else data)
+            if not state.paused and transport.get_write_buffer_size() > RELAY_HIGH_WATER:
+                state.paused = True
+                relay.pause()
+                state.wake()
+
+        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        watcher.add_done_callback(state.leave)
+        stalled = False
+        try:
+            relay = self.answer.relay(write)
+            relay.done.add_done_callback(lambda _: state.wake())
+            while not relay.done.done() and not state.gone:
+                await state.woken()
+                if state.paused and not relay.done.done() and not state.gone:
+                    try:
+                        timeout = self.stall_timeout if self.stall_timeout > 0 else None
+                        await asyncio.wait_for(flow.drain(), timeout)
+                    except TimeoutError:
+                        stalled = True
+                        break
+                    state.paused = False
+                    relay.resume()
+            if not stalled and not state.gone:
+                error = relay.done.result()
+                if error is not None:  # after the first byte: its frame ends the stream
+                    write(self.failure_frame(error))
+                await body_send({"type": "http.response.body", "body": b"", "more_body": False})
+        except SluiceError as exc:  # refused at the start (a cancel came first)
+            write(self.failure_frame(exc))
+            await body_send({"type": "http.response.body", "body": b"", "more_body": False})
+        except (OSError, RuntimeError) as exc:  # sending failed: the client is gone
+            log.debug("a relayed response ended: %r", exc)
+        finally:
+            watcher.cancel()
+            await _closed(self.on_close, stalled, self.stall_timeout, receive)
+
+
+class _RelayState:
+    """What a relay's writer (in the upstream's callback) tells its response's task: one
+    future at a time, woken when the client falls behind or the relay ends."""
+
+    __slots__ = ("_future", "_loop", "gone", "paused")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._future: asyncio.Future[None] = loop.create_future()
+        self.paused = False
+        self.gone = False  # the client disconnected
+
+    def leave(self, watcher: asyncio.Future[None]) -> None:
+        if not watcher.cancelled():
+            self.gone = True
+            self.wake()
+
+    def wake(self) -> None:
+        if not self._future.done():
+            self._future.set_result(None)
+
+    async def woken(self) -> None:
+        await self._future
+        self._future = self._loop.create_future()
 
 
 async def _drop_connection(receive: Receive) -> None:

@@ -436,6 +436,7 @@ class Passthrough:
     _first: dict[str, Any] | None = field(default=None, init=False)  # its first chunk
     _done: bool = field(default=False, init=False)
     _interrupt: Interrupt = field(default_factory=Interrupt, init=False)
+    _relay: Relay | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.tap.on_id = self._named
@@ -462,8 +463,29 @@ class Passthrough:
         return self.tap.prompt_tokens or 0
 
     def cancel(self, error: SluiceError) -> bool:
-        """End the answer with ``error`` (raised from :meth:`stream` or :meth:`read`)."""
-        return not self._done and self._interrupt.fire(error)
+        """End the answer with ``error`` (raised from :meth:`stream` or :meth:`read`, or
+        the end of its :meth:`relay`)."""
+        if self._done or not self._interrupt.fire(error):
+            return False
+        if self._relay is not None:
+            self._relay.settle(error)
+        return True
+
+    @property
+    def relayable(self) -> bool:
+        r"""Its events can be :meth:`relay`\ ed: an SSE stream no other replica continues."""
+        return self.resume is None and self.streaming
+
+    def relay(self, write: Callable[[bytes], None]) -> Relay:
+        """Its whole SSE events, byte for byte, handed to ``write`` by the upstream
+        connection's own callback as they arrive (what :meth:`stream` yields, without a
+        task switch per event: a gateway's per-event cost). See :class:`Relay`."""
+        assert self.relayable and self._relay is None
+        if self._interrupt.error is not None:
+            raise self._interrupt.error
+        relay = self._relay = Relay(self, write)
+        self.response.relay(relay.feed, relay.end)
+        return relay
 
     def _named(self, response_id: str) -> None:
         if self.flight is not None:
@@ -652,6 +674,70 @@ class Passthrough:
         self._finish(error=False)
         if self._response is not None:
             self._response.close()
+
+
+class Relay:
+    """A passthrough's events on their way from the upstream's socket to the client's:
+    each chunk is decoded where the connection receives it, tapped for the metrics, and
+    its whole events written at once (``write``: the client's transport); a partial event
+    waits for its end, so an error frame never lands inside one.
+
+    ``done`` resolves once: None at the stream's clean end, or the error that ends it
+    (the upstream dropped it, sent a malformed event, ended early; a cancel), the
+    events before it written. :meth:`pause` and :meth:`resume` stop and restart the
+    upstream's socket (a client that reads slowly).
+    """
+
+    __slots__ = ("_answer", "_finished", "_sse", "_write", "done")
+
+    def __init__(self, answer: Passthrough, write: Callable[[bytes], None]) -> None:
+        self._answer = answer
+        self._write = write
+        self._sse = SSEDecoder()
+        self._finished = False  # [DONE] or a finish_reason seen
+        self.done: asyncio.Future[SluiceError | None] = asyncio.get_running_loop().create_future()
+
+    def feed(self, data: bytes) -> None:
+        if self.done.done():
+            return
+        try:
+            messages = self._sse.feed(data)
+        except UpstreamMalformed as exc:
+            self.settle(exc)
+            return
+        out: list[bytes] = []
+        tap = self._answer.tap
+        for message in messages:
+            text = message.data
+            if text == "[DONE]":
+                self._finished = True
+            elif text:
+                parsed = _json_object(text)
+                if parsed is None:
+                    if out:
+                        self._write(b"".join(out))
+                    self.settle(_malformed(text))
+                    return
+                self._finished = tap.event(parsed) or self._finished
+            out.append(message.raw)
+        if out:
+            self._write(out[0] if len(out) == 1 else b"".join(out))
+
+    def end(self, error: UpstreamFailed | None) -> None:
+        if error is None and (self._sse.pending() or not self._finished):
+            error = UpstreamFailed("The upstream ended the stream before finishing it.")
+        self.settle(error)
+
+    def settle(self, error: SluiceError | None) -> None:
+        if not self.done.done():
+            self.done.set_result(error)
+            self._answer._finish(error=error is not None)
+
+    def pause(self) -> None:
+        self._answer.response.pause()
+
+    def resume(self) -> None:
+        self._answer.response.resume()
 
 
 class ArraySplitter:

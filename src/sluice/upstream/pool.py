@@ -24,7 +24,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import AsyncIterator, Collection, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal, Self
@@ -172,6 +172,28 @@ class UpstreamResponse:
         if not data:
             await self.aclose()
         return data
+
+    def relay(
+        self, sink: Callable[[bytes], None], on_end: Callable[[UpstreamFailed | None], None]
+    ) -> None:
+        """The body to ``sink`` as it arrives, in the connection's callback, and its end to
+        ``on_end`` (None, or the error that cut it): :meth:`WireResponse.relay`, errors
+        mapped as :meth:`read_some` maps them. ``pause`` and ``resume`` the socket."""
+
+        def ended(error: WireError | None) -> None:
+            if error is None or self._closed:
+                on_end(None if error is None else UpstreamFailed("closed"))
+                return
+            self._pool._suspect(self._replica)
+            on_end(_mapped(error, self._pool.spec, self.replica, "dropped the stream: "))
+
+        self._response.relay(sink, ended)
+
+    def pause(self) -> None:
+        self._response.pause()
+
+    def resume(self) -> None:
+        self._response.resume()
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         """The body's bytes as they arrive, undecoded; closes the response at its end."""

@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import ssl as _ssl
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal, cast
 from urllib.parse import urlsplit
@@ -110,8 +110,10 @@ class WireResponse:
         "_conn",
         "_done",
         "_error",
+        "_on_end",
         "_paused",
         "_released",
+        "_sink",
         "_waiter",
         "headers",
         "status",
@@ -128,6 +130,8 @@ class WireResponse:
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False
         self._released = False
+        self._sink: Callable[[bytes], None] | None = None  # see :meth:`relay`
+        self._on_end: Callable[[WireError | None], None] | None = None
 
     @property
     def complete(self) -> bool:
@@ -137,6 +141,10 @@ class WireResponse:
     # -- the connection's side ---------------------------------------------------------
 
     def _feed(self, data: bytes) -> None:
+        sink = self._sink
+        if sink is not None:
+            sink(data)
+            return
         self._chunks.append(data)
         self._buffered += len(data)
         waiter = self._waiter
@@ -155,6 +163,11 @@ class WireResponse:
             self._done = True
         else:
             self._error = error
+        on_end = self._on_end
+        if on_end is not None:
+            self._sink = self._on_end = None
+            on_end(error)
+            return
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None
@@ -162,6 +175,40 @@ class WireResponse:
                 waiter.set_result(None)
 
     # -- the reader's side -------------------------------------------------------------
+
+    def relay(
+        self, sink: Callable[[bytes], None], on_end: Callable[[WireError | None], None]
+    ) -> None:
+        """Hand the body to ``sink`` as it arrives, in the connection's own callback (no
+        task wakes per chunk), and its end to ``on_end`` (None, or the error that cut it);
+        what arrived before goes to ``sink`` at once. Instead of :meth:`read_some`, for a
+        gateway's passthrough. The sink may :meth:`pause` the socket and :meth:`resume` it
+        (a client that reads slowly); the silence timeout runs while it is not paused."""
+        chunks, self._chunks = self._chunks, []
+        self._buffered = 0
+        if self._paused:
+            self._paused = False
+            self._conn.resume()
+        self._sink, self._on_end = sink, on_end
+        for chunk in chunks:
+            sink(chunk)
+        if self._done or self._error is not None:
+            self._sink = self._on_end = None
+            on_end(self._error)
+            return
+        self._conn.waiting()
+
+    def pause(self) -> None:
+        """Stop reading the socket (a relay's client is behind)."""
+        if not self._paused:
+            self._paused = True
+            self._conn.pause()
+
+    def resume(self) -> None:
+        if self._paused:
+            self._paused = False
+            self._conn.resume()
+            self._conn.waiting()
 
     async def read_some(self) -> bytes:
         """The body's next bytes as they arrived (b"" at its end); raises
@@ -324,7 +371,11 @@ class _Connection(asyncio.Protocol):
         self._timer = None
         response = self._response
         waiting = (self._head is not None and not self._head.done()) or (
-            response is not None and response._waiter is not None
+            response is not None
+            and (
+                response._waiter is not None
+                or (response._sink is not None and not response._paused)
+            )
         )
         drain = self._drain is not None
         if not (waiting or drain) or self.closed:
