@@ -172,11 +172,11 @@ MIGRATIONS: tuple[str, ...] = (
         m JSONB;
         v_conversation TEXT;
         v_count INTEGER;
-        v_last TEXT;
     BEGIN
-        FOR w IN SELECT e.value FROM jsonb_array_elements(p_writes) WITH ORDINALITY AS e
-            ORDER BY e.ordinality
-        LOOP
+        -- (loops by index, and no check query for an empty list: a query costs more
+        -- than an expression, and a write runs a few)
+        FOR i IN 0 .. jsonb_array_length(p_writes) - 1 LOOP
+            w := p_writes->i;
             v_conversation := w->>'conversation';
             head := NULL;
             missing_parents := '{}';
@@ -184,35 +184,34 @@ MIGRATIONS: tuple[str, ...] = (
             SELECT c.head_id INTO head FROM conversations AS c
                 WHERE c.id = v_conversation FOR UPDATE;
             known := FOUND;
-            IF known THEN
+            IF known AND jsonb_array_length(w->'parents') > 0 THEN
                 missing_parents := ARRAY(
                     SELECT p FROM jsonb_array_elements_text(w->'parents') AS p
                     WHERE NOT EXISTS (SELECT 1 FROM messages AS o
                         WHERE o.id = p AND o.conversation_id = v_conversation));
+            END IF;
+            IF known AND jsonb_array_length(w->'ids') > 0 THEN
                 taken_ids := ARRAY(
                     SELECT g FROM jsonb_array_elements_text(w->'ids') AS g
                     WHERE EXISTS (SELECT 1 FROM messages AS o WHERE o.id = g));
             END IF;
             IF known AND cardinality(missing_parents) = 0 AND cardinality(taken_ids) = 0 THEN
-                v_count := 0;
-                FOR m IN SELECT e.value FROM jsonb_array_elements(w->'messages')
-                    WITH ORDINALITY AS e ORDER BY e.ordinality
-                LOOP  -- one INSERT each: seq follows the write's order
-                    v_count := v_count + 1;
-                    v_last := m->>0;
+                v_count := jsonb_array_length(w->'messages');
+                FOR k IN 0 .. v_count - 1 LOOP  -- one INSERT each: seq follows their order
+                    m := w->'messages'->k;
                     INSERT INTO messages (id, conversation_id, parent_id, role, content,
                         created_at, status, model, reasoning, tool_calls, tool_call_id,
                         name, usage, error, finish_reason)
                     VALUES (m->>0, v_conversation,
-                        CASE WHEN v_count = 1 AND (w->>'head_parent')::BOOLEAN
+                        CASE WHEN k = 0 AND (w->>'head_parent')::BOOLEAN
                             THEN head ELSE m->>2 END,
                         m->>3, m->>4, (m->>5)::DOUBLE PRECISION, m->>6, m->>7, m->>8,
                         m->>9, m->>10, m->>11, m->>12, m->>13, m->>14);
                 END LOOP;
                 UPDATE conversations AS c SET updated_at = (w->>'now')::DOUBLE PRECISION,
                     message_count = c.message_count + v_count,
-                    head_id = CASE WHEN (w->>'advance')::BOOLEAN THEN v_last
-                        ELSE c.head_id END
+                    head_id = CASE WHEN (w->>'advance')::BOOLEAN
+                        THEN w->'messages'->(v_count - 1)->>0 ELSE c.head_id END
                     WHERE c.id = v_conversation;
             END IF;
             RETURN NEXT;
