@@ -700,28 +700,50 @@ class Relay:
     def feed(self, data: bytes) -> None:
         if self.done.done():
             return
+        sse = self._sse
+        # The common chunk, whole one-line `data:` events with LF endings, is split here
+        # without the decoder's messages (a gateway's every event passes this way).
+        if sse.between_events() and data.endswith(b"\n\n") and b"\r" not in data:
+            events = data.split(b"\n\n")
+            events.pop()
+            if all(e.startswith(b"data: ") and b"\n" not in e for e in events):
+                for i, event in enumerate(events):
+                    if not self._data(event[6:]):
+                        self._end_malformed(b"".join(e + b"\n\n" for e in events[:i]), event[6:])
+                        return
+                self._write(data)
+                return
         try:
-            messages = self._sse.feed(data)
+            messages = sse.feed(data)
         except UpstreamMalformed as exc:
             self.settle(exc)
             return
         out: list[bytes] = []
-        tap = self._answer.tap
         for message in messages:
-            text = message.data
-            if text == "[DONE]":
-                self._finished = True
-            elif text:
-                parsed = _json_object(text)
-                if parsed is None:
-                    if out:
-                        self._write(b"".join(out))
-                    self.settle(_malformed(text))
-                    return
-                self._finished = tap.event(parsed) or self._finished
+            text = message.data.encode()
+            if not self._data(text):
+                self._end_malformed(b"".join(out), text)
+                return
             out.append(message.raw)
         if out:
             self._write(out[0] if len(out) == 1 else b"".join(out))
+
+    def _data(self, text: bytes) -> bool:
+        """One event's data, tapped; False when it is not an OpenAI chunk."""
+        if text == b"[DONE]":
+            self._finished = True
+        elif text:
+            parsed = _json_object(text)
+            if parsed is None:
+                return False
+            self._finished = self._answer.tap.event(parsed) or self._finished
+        return True
+
+    def _end_malformed(self, before: bytes, text: bytes) -> None:
+        """The events ahead of a malformed one written, and the relay ended with it."""
+        if before:
+            self._write(before)
+        self.settle(_malformed(text.decode("utf-8", "replace")))
 
     def end(self, error: UpstreamFailed | None) -> None:
         if error is None and (self._sse.pending() or not self._finished):

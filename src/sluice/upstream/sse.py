@@ -75,6 +75,11 @@ class SSEDecoder:
         """The bytes of the incomplete event held back (not yet in any message)."""
         return self._buf
 
+    def between_events(self) -> bool:
+        """Nothing held back and nothing special pending (a BOM, half a CRLF): the next
+        chunk starts a new event, so a caller may split plain ``data:`` events itself."""
+        return not self._buf and self._bom_checked and not self._cr_end
+
     def feed(self, chunk: bytes) -> list[SSEMessage]:
         """Every event completed by ``chunk``, in order; the incomplete rest is kept."""
         out: list[SSEMessage] = []
