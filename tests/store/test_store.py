@@ -168,6 +168,18 @@ async def test_branches_and_paths(store: Store) -> None:
     assert [m.id for m in await store.path(b2.id)] == [u1.id, a1.id, f2.id, b2.id]
     assert [m.id for m in await store.path(u1.id)] == [u1.id]
     assert await store.path("msg_unknown") == []
+    # paths asked at once (PostgreSQL reads them in one query) each get their own
+    together = await asyncio.gather(
+        *(store.path(m) for m in (a2.id, b2.id, "msg_unknown", a2.id, u1.id))
+    )
+    assert [[m.id for m in path] for path in together] == [
+        [u1.id, a1.id, f1.id, a2.id],
+        [u1.id, a1.id, f2.id, b2.id],
+        [],
+        [u1.id, a1.id, f1.id, a2.id],
+        [u1.id],
+    ]
+    assert together[0] == await store.path(a2.id) and together[0] is not together[3]
     assert [m.id for m in await store.messages(conv.id)] == [
         u1.id,
         a1.id,

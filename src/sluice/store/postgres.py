@@ -2,19 +2,28 @@
 
 Writes to conversations and responses go, as in the SQLite store, through one
 writer: a task owning a connection of its own, which takes every write waiting
-(up to ``_MAX_BATCH``) into one transaction, each in its own savepoint, commits
-once and only then tells the callers. So writes apply in the order they were
-called, concurrent turns share one commit, and a write whose caller was
-cancelled still happens. Each conversation's row is locked (``FOR UPDATE``)
-while a message is added, so two processes continuing one conversation make one
-chain; a write that loses a deadlock to another process is retried in its
-savepoint.
+(up to ``_MAX_BATCH``) into one transaction, commits once and only then tells
+the callers. So writes apply in the order they were called, concurrent turns
+share one commit, and a write whose caller was cancelled still happens. Each
+conversation's row is locked (``FOR UPDATE``) while a message is added, so two
+processes continuing one conversation make one chain.
+
+A batch goes pipelined, in two round trips: BEGIN and every write's statements
+at once (the ``add_messages`` writes in a row as one call of the schema's
+``sluice_add_messages``, which checks under the row lock what the caller's plan
+took for granted and reports a broken rule rather than raising), then COMMIT once
+all have answered. A write the database refuses (a deadlock lost to another
+process, an id another process took) rolls that transaction back, and the batch
+runs again one write at a time, each in its own savepoint: the failing write
+fails alone, one that lost a deadlock is retried in its savepoint. A batch with a
+write that has no pipelined form runs that way from the start.
 
 Reads, the usage ledger and the limits' counters use a pool of connections
-instead, concurrently: the ledger and the counters are not ordered with the
-conversations, and each runs in a transaction of its own (a usage upsert or a
-counter never waits behind a batch, and never holds another process's rows in
-an order that could deadlock). ``take_request`` is one call of a function the
+instead, concurrently (paths asked in one turn of the event loop, as when a
+batch's commit resumes several turns, are read in one query): the ledger and
+the counters are not ordered with the conversations, and each runs in a
+transaction of its own (a usage upsert or a counter never waits behind a batch,
+and never holds another process's rows in an order that could deadlock). ``take_request`` is one call of a function the
 schema defines, atomic across processes under an advisory lock on the key.
 
 Processes: each open store registers an *instance* (a row of ``instances``,
@@ -117,15 +126,18 @@ _CONNECT_TIMEOUT = 10.0
 # a lateral lookup by id, which PostgreSQL plans as an index scan a step even on a table
 # it has no statistics of yet (the join form got a sequential scan a step: O(n^2)), and
 # the chain carries the columns, so no join over all messages picks them up after.
-_PATH = f"""
+_PATHS = f"""
     WITH RECURSIVE chain AS (
-        SELECT 0 AS depth, {MESSAGE_COLUMNS} FROM messages WHERE id = %s
+        SELECT asked.n AS origin, 0 AS depth, first.*
+        FROM unnest(%s::text[]) WITH ORDINALITY AS asked (id, n) CROSS JOIN LATERAL (
+            SELECT {MESSAGE_COLUMNS} FROM messages AS m WHERE m.id = asked.id LIMIT 1
+        ) AS first
         UNION ALL
-        SELECT chain.depth + 1, up.* FROM chain CROSS JOIN LATERAL (
+        SELECT chain.origin, chain.depth + 1, up.* FROM chain CROSS JOIN LATERAL (
             SELECT {MESSAGE_COLUMNS} FROM messages AS m WHERE m.id = chain.parent_id LIMIT 1
         ) AS up
     )
-    SELECT {MESSAGE_COLUMNS} FROM chain ORDER BY depth DESC
+    SELECT origin, {MESSAGE_COLUMNS} FROM chain ORDER BY origin, depth DESC
 """
 # The head in a plan made without reading it: no id (PostgreSQL's text holds no NUL);
 # sluice_add_messages puts the head it reads under the lock in its place.
@@ -280,6 +292,7 @@ class PostgresStore:
         self._side: set[asyncio.Future[Any]] = set()
         self._unfinished_error: dict[str, Any] | None = None
         self._committing = False  # the writer's batch is past its last write: COMMIT
+        self._paths: dict[str, list[asyncio.Future[list[Message]]]] | None = None  # to read
 
     @classmethod
     async def open(
@@ -469,11 +482,51 @@ class PostgresStore:
         return await self._call(work, writes=False)
 
     async def path(self, message_id: str) -> list[Message]:
-        async def work(conn: Conn) -> list[Message]:
-            cursor = await conn.execute(_PATH, (message_id,))
-            return [message_from_row(row) for row in await cursor.fetchall()]
+        """Paths asked at once (in one turn of the event loop: the turns a batch's
+        commit resumed) are read in one query."""
+        if self._closing:
+            raise StoreClosed()
+        loop = asyncio.get_running_loop()
+        if self._paths is None:
+            self._paths = {}
+            loop.call_soon(self._read_paths)
+        future: asyncio.Future[list[Message]] = loop.create_future()
+        self._paths.setdefault(message_id, []).append(future)
+        return await future
 
-        return await self._call(work, writes=False)
+    def _read_paths(self) -> None:
+        asked, self._paths = self._paths or {}, None
+        ids = list(asked)
+
+        async def work(conn: Conn) -> dict[int, list[Any]]:
+            cursor = await conn.execute(_PATHS, (ids,))
+            rows: dict[int, list[Any]] = {}
+            for row in await cursor.fetchall():
+                rows.setdefault(row[0], []).append(row[1:])
+            return rows
+
+        def done(task: asyncio.Future[dict[int, list[Any]]]) -> None:
+            for n, message_id in enumerate(ids, start=1):
+                waiting = [future for future in asked[message_id] if not future.done()]
+                if not waiting:  # (their callers were cancelled)
+                    continue
+                if task.cancelled():
+                    for future in waiting:
+                        future.cancel()
+                    continue
+                try:
+                    path = [message_from_row(row) for row in task.result().get(n, ())]
+                except BaseException as exc:  # noqa: BLE001 - each caller gets it
+                    for future in waiting:
+                        future.set_exception(exc)
+                    continue
+                for future in waiting:
+                    future.set_result(list(path))
+
+        task = asyncio.ensure_future(self._pooled(work, retry=True))
+        self._side.add(task)  # (close waits for it)
+        task.add_done_callback(self._side_done)
+        task.add_done_callback(done)
 
     async def get_message(self, message_id: str) -> Message | None:
         async def work(conn: Conn) -> Message | None:
