@@ -246,6 +246,21 @@ async def test_a_batch_whose_statement_fails_runs_again_one_write_at_a_time(
         assert isinstance(late[0], StoreFailed) and late[1] == (1,)
         assert late[2].parent_id == fourth.id and batches == [1, 4, 1, 1, 3]
 
+        # a batch of add_messages only (one call, committed by the pipeline's Sync)
+        busy = asyncio.ensure_future(store._call(lambda conn: asyncio.sleep(0.05), writes=True))
+        await asyncio.sleep(0.01)
+        adds: tuple[Any, ...] = await asyncio.gather(
+            store.add_message(conv.id, NewMessage(role="user", content="sixth")),
+            store.add_message(conv.id, NewMessage(role="user", content="refused")),
+            store.add_message(conv.id, NewMessage(role="user", content="seventh")),
+            return_exceptions=True,
+        )
+        await busy
+        assert isinstance(adds[1], StoreFailed) and adds[0].parent_id == late[2].id
+        assert adds[2].parent_id == adds[0].id and batches == [1, 4, 1, 1, 3, 1, 3]
+        stored = [m.content for m in await store.messages(conv.id)]
+        assert stored == ["first", "second", "third", "fourth", "fifth", "sixth", "seventh"]
+
 
 def _response(response_id: str, status: str) -> StoredResponse:
     body = {"id": response_id, "object": "response", "status": status, "output": []}

@@ -8,11 +8,11 @@ share one commit, and a write whose caller was cancelled still happens. Each
 conversation's row is locked (``FOR UPDATE``) while a message is added, so two
 processes continuing one conversation make one chain.
 
-A batch goes pipelined, in two round trips: BEGIN and every write's statements
-at once (the ``add_messages`` writes in a row as one call of the schema's
+A batch goes pipelined, in two round trips: every write's statements at once
+(the ``add_messages`` writes in a row as one call of the schema's
 ``sluice_add_messages``, which checks under the row lock what the caller's plan
-took for granted and reports a broken rule rather than raising), then COMMIT once
-all have answered. A write the database refuses (a deadlock lost to another
+took for granted and reports a broken rule rather than raising), then the
+commit once all have answered. A write the database refuses (a deadlock lost to another
 process, an id another process took) rolls that transaction back, and the batch
 runs again one write at a time, each in its own savepoint: the failing write
 fails alone, one that lost a deadlock is retried in its savepoint. A batch with a
@@ -844,15 +844,21 @@ class PostgresStore:
         """``batch`` sent at once in one transaction; raises ``_Refused`` (all rolled
         back) if a statement failed, and the connection's error if it died.
 
-        BEGIN and COMMIT are this method's own (not ``conn.transaction()``, which in
-        pipeline mode waits for BEGIN alone and syncs thrice more): the writes and
-        BEGIN go in one round trip, COMMIT in the next, sent only once every write
-        has answered, so a connection dying before it leaves nothing committed."""
+        Two round trips: the writes, then, once every write has answered, the commit,
+        so a connection dying in the first leaves nothing committed. A batch of
+        add_messages writes only is one call, in the implicit transaction PostgreSQL
+        keeps open until the pipeline's next Sync: its answer comes back for a Flush,
+        and the Sync commits (or, after an error, rolls back). Other batches run in a
+        transaction of this method's own (not ``conn.transaction()``, which in
+        pipeline mode waits for BEGIN alone and syncs thrice more): BEGIN and the
+        writes then a Sync, COMMIT then a Sync."""
+        implicit = all(op.plan is not None for op in batch)
         outcomes: list[_Outcome] = []
         try:
             async with conn.pipeline() as pipeline:
                 try:
-                    await conn.execute(b"BEGIN", prepare=False)
+                    if not implicit:
+                        await conn.execute(b"BEGIN", prepare=False)
                     reads: list[Read[Any] | BaseException | None] = [None] * len(batch)
                     plans: dict[int, _Plan] = {}  # add_messages in a row: one call
                     for i, op in enumerate([*batch, None]):
@@ -873,13 +879,14 @@ class PostgresStore:
                             raise
                         except Exception as exc:  # noqa: BLE001 - failed before it was sent
                             reads[i] = exc
-                    await pipeline.sync()
+                    if not implicit:
+                        await pipeline.sync()
                     for op, answer in zip(batch, reads, strict=True):
                         assert answer is not None
                         if isinstance(answer, BaseException):
                             outcomes.append((op, None, answer))
                             continue
-                        try:
+                        try:  # (implicit: the first read flushes, and fetches all)
                             outcomes.append((op, await answer(), None))
                         except psycopg.Error:
                             raise
@@ -888,14 +895,17 @@ class PostgresStore:
                 except BaseException:
                     if not conn.broken:  # roll the failed transaction back
                         with contextlib.suppress(psycopg.Error):
-                            # after an error the server skips all to the next Sync: the
-                            # ROLLBACK must come after one
+                            # after an error the server skips all to the next Sync (which
+                            # ends an implicit transaction): a ROLLBACK must come after it
                             await pipeline.sync()
-                        with contextlib.suppress(psycopg.Error):  # (sent as the pipeline ends)
-                            await conn.execute(b"ROLLBACK", prepare=False)
+                        if not implicit:
+                            with contextlib.suppress(psycopg.Error):  # (sent as it ends)
+                                await conn.execute(b"ROLLBACK", prepare=False)
                     raise
                 self._committing = True
-                await conn.execute(b"COMMIT", prepare=False)  # sent and answered as it ends
+                if not implicit:
+                    await conn.execute(b"COMMIT", prepare=False)
+                # (the pipeline's end: a Sync, its answer awaited)
         except psycopg.Error as exc:
             if conn.broken:
                 raise
