@@ -318,7 +318,9 @@ class RelayResponse:
     up; paused longer than ``stall_timeout`` s ends the response as :class:`SSEResponse`
     does. A disconnect ends it at once (``on_close`` aborts the upstream request). An
     error after the first byte (the upstream dropped the stream; a cancel) ends it with
-    ``failure_frame``. Under a server that is not uvicorn, ``fallback`` answers.
+    ``failure_frame``, unless another replica continues the dropped stream (failover:
+    its continuation is written as it comes, one piece at a time). Under a server that
+    is not uvicorn, ``fallback`` answers.
     """
 
     def __init__(
@@ -359,7 +361,8 @@ class RelayResponse:
             transport.write(b"%x\r\n%b\r\n" % (len(data), data) if chunked else data)
             if not state.paused and transport.get_write_buffer_size() > RELAY_HIGH_WATER:
                 state.paused = True
-                relay.pause()
+                if not state.continuing:
+                    relay.pause()
                 state.wake()
 
         watcher = asyncio.ensure_future(_wait_disconnect(receive))
@@ -381,9 +384,14 @@ class RelayResponse:
                     relay.resume()
             if not stalled and not state.gone:
                 error = relay.done.result()
-                if error is not None:  # after the first byte: its frame ends the stream
-                    write(self.failure_frame(error))
-                await body_send({"type": "http.response.body", "body": b"", "more_body": False})
+                if error is not None and relay.resumable:  # another replica continues it
+                    error, stalled = await _continuing(
+                        relay, state, flow, write, self.stall_timeout
+                    )
+                if error is not None and not stalled and not state.gone:
+                    write(self.failure_frame(error))  # after the first byte: its frame ends it
+                if not stalled and not state.gone:
+                    await body_send({"type": "http.response.body", "body": b"", "more_body": False})
         except SluiceError as exc:  # refused at the start (a cancel came first)
             write(self.failure_frame(exc))
             await body_send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -394,22 +402,54 @@ class RelayResponse:
             await _closed(self.on_close, stalled, self.stall_timeout, receive)
 
 
+async def _continuing(
+    relay: Any, state: _RelayState, flow: Any, write: Callable[[bytes], None], stall: float
+) -> tuple[SluiceError | None, bool]:
+    """A dropped stream's continuation from another replica, written as it comes: the
+    error that ends it (None: it finished), and whether the client stalled."""
+    state.continuing = True
+    task = asyncio.current_task()
+    state.on_leave = task.cancel if task is not None else None
+    try:
+        async for piece in relay.continued():
+            write(piece)
+            if state.paused:
+                try:
+                    await asyncio.wait_for(flow.drain(), stall if stall > 0 else None)
+                except TimeoutError:
+                    return None, True
+                state.paused = False
+    except SluiceError as exc:
+        return exc, False
+    except asyncio.CancelledError:
+        if not state.gone or task is None or task.uncancel() > 0:
+            raise
+        return None, False  # the client left: its close aborts the continuation
+    finally:
+        state.on_leave = None
+    return None, False
+
+
 class _RelayState:
     """What a relay's writer (in the upstream's callback) tells its response's task: one
     future at a time, woken when the client falls behind or the relay ends."""
 
-    __slots__ = ("_future", "_loop", "gone", "paused")
+    __slots__ = ("_future", "_loop", "continuing", "gone", "on_leave", "paused")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._future: asyncio.Future[None] = loop.create_future()
         self.paused = False
         self.gone = False  # the client disconnected
+        self.continuing = False  # another replica's continuation is being written
+        self.on_leave: Callable[[], object] | None = None  # what a disconnect interrupts
 
     def leave(self, watcher: asyncio.Future[None]) -> None:
         if not watcher.cancelled():
             self.gone = True
             self.wake()
+            if self.on_leave is not None:
+                self.on_leave()
 
     def wake(self) -> None:
         if not self._future.done():

@@ -473,8 +473,8 @@ class Passthrough:
 
     @property
     def relayable(self) -> bool:
-        r"""Its events can be :meth:`relay`\ ed: an SSE stream no other replica continues."""
-        return self.resume is None and self.streaming
+        r"""Its events can be :meth:`relay`\ ed: an SSE stream."""
+        return self.streaming
 
     def relay(self, write: Callable[[bytes], None]) -> Relay:
         """Its whole SSE events, byte for byte, handed to ``write`` by the upstream
@@ -688,14 +688,19 @@ class Relay:
     upstream's socket (a client that reads slowly).
     """
 
-    __slots__ = ("_answer", "_finished", "_sse", "_write", "done")
+    __slots__ = ("_answer", "_finished", "_partial", "_sse", "_write", "done", "resumable")
 
     def __init__(self, answer: Passthrough, write: Callable[[bytes], None]) -> None:
         self._answer = answer
         self._write = write
         self._sse = SSEDecoder()
         self._finished = False  # [DONE] or a finish_reason seen
+        # With failover: what was sent, for another replica to continue from.
+        self._partial = Partial() if answer.resume is not None else None
         self.done: asyncio.Future[SluiceError | None] = asyncio.get_running_loop().create_future()
+        # The stream dropped before its end, and another replica may continue it
+        # (:meth:`continued`): ``done`` then holds the failure.
+        self.resumable = False
 
     def feed(self, data: bytes) -> None:
         if self.done.done():
@@ -737,6 +742,11 @@ class Relay:
             if parsed is None:
                 return False
             self._finished = self._answer.tap.event(parsed) or self._finished
+            partial = self._partial
+            if partial is not None:
+                partial.add_chunk(parsed)
+                if self._answer._first is None:
+                    self._answer._first = parsed
         return True
 
     def _end_malformed(self, before: bytes, text: bytes) -> None:
@@ -748,12 +758,33 @@ class Relay:
     def end(self, error: UpstreamFailed | None) -> None:
         if error is None and (self._sse.pending() or not self._finished):
             error = UpstreamFailed("The upstream ended the stream before finishing it.")
+        if error is not None and self._partial is not None and not self._finished:
+            if not self.done.done():
+                self.resumable = True  # the metering ends with the continuation
+                self.done.set_result(error)
+            return
         self.settle(error)
 
     def settle(self, error: SluiceError | None) -> None:
         if not self.done.done():
             self.done.set_result(error)
             self._answer._finish(error=error is not None)
+
+    async def continued(self) -> AsyncIterator[bytes]:
+        """The rest of a :attr:`resumable` stream from other replicas, one piece at a
+        time (``Passthrough._continued``); raises the failure when none can continue."""
+        failure = self.done.result()
+        assert self.resumable and isinstance(failure, UpstreamFailed)
+        assert self._partial is not None
+        answer = self._answer
+        answer.response.close()  # the dropped one: its replica's count goes down
+        try:
+            async for piece in answer._continued(failure, self._partial):
+                yield piece
+        except SluiceError:
+            answer._finish(error=True)
+            raise
+        answer._finish(error=False)
 
     def pause(self) -> None:
         self._answer.response.pause()
