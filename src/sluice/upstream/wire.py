@@ -449,7 +449,10 @@ class WireClient:
         connect_timeout: float,
         timeout: float,
         max_idle: int = 512,
-        idle_expiry: float = 30.0,
+        # 90 s: Go's net/http and Rust's reqwest keep an idle connection as long, the
+        # clients most gateways are written on. A server that closes one sooner is seen
+        # at its reuse, and a request it never read is sent again on a new connection.
+        idle_expiry: float = 90.0,
         ssl_context: _ssl.SSLContext | None = None,
     ) -> None:
         self.connect_timeout = connect_timeout
