@@ -95,8 +95,11 @@ def codex() -> str:
 
 @pytest.fixture(scope="module")
 def codex_base() -> Iterator[str]:
-    """A server of its own: the issue's 8192-token context, one slot, an API key."""
-    with serve_process("--ctx", "8192", "--parallel", "1", "--api-key", API_KEY, *QUIET) as url:
+    """A server of its own: the issue's 8192-token context, one slot, an API key. Codex
+    sends no output limit and samples at the model's temperature: 512 tokens bound each
+    answer, so one that rambles cannot take the test past its timeout."""
+    args = ("--ctx", "8192", "--parallel", "1", "--default-max-tokens", "512")
+    with serve_process(*args, "--api-key", API_KEY, *QUIET) as url:
         yield url
 
 
