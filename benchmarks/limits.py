@@ -33,11 +33,11 @@ from typing import Any
 
 import fanout
 from harness import RESULTS, report
+from harness.anchor import ROOT, anchor_sources
 from harness.machine import loadavg, machine_info, proc_cpu_seconds
 from harness.servers import SLUICE, Server, free_port, models_env
 from harness.stats import med, pct, rotated
 
-ROOT = Path(__file__).resolve().parent.parent
 FREE, LIMITED = "sk-bench-free-000001", "sk-bench-limited-001"
 PATHS = ("before", "free", "limited")  # the anchor, and now with each key
 TARGET_ADDED_MS = 0.2
@@ -54,16 +54,6 @@ KEYS_NOW = (
     f'limited = {{ key = "{LIMITED}", rpm = {BIG}, tpm = {BIG}, max_streams = {BIG}, '
     f'token_budget = {BIG}, budget_period = "day", models = ["{fanout.MODEL}"] }}\n'
 )
-
-
-def worktree(rev: str, where: Path) -> Path:
-    """The sources of ``rev``, checked out beside the run (removed with it)."""
-    subprocess.run(
-        ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(where), rev],
-        check=True,
-        capture_output=True,
-    )
-    return where / "src"
 
 
 def gateway(name: str, tmp: Path, up: int, keys: str, src: Path | None) -> Server:
@@ -100,45 +90,47 @@ def run(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
     runs: dict[str, list[dict[str, Any]]] = {p: [] for p in PATHS}
     with tempfile.TemporaryDirectory(prefix="sluice-limits-") as tmp_name:
         tmp = Path(tmp_name)
-        src = worktree(args.anchor, tmp / "anchor")
-        upstream, up, _ = fanout.start_servers(tmp, "unused", (), deltas=args.deltas)
-        servers: dict[str, Server] = {}
-        try:
-            servers["before"] = gateway("before", tmp, up, KEYS_BEFORE, src)
-            servers["now"] = gateway("now", tmp, up, KEYS_NOW, None)
-            pids = {"before": servers["before"].pid, "now": servers["now"].pid}
-            ports = {"before": servers["before"].port, "now": servers["now"].port}
-            where = {"before": ("before", FREE), "free": ("now", FREE)}
-            where["limited"] = ("now", LIMITED)
-            for gw, key in where.values():  # warm-up: first-request paths, pools
-                fanout.measure(ports[gw], 8, key, args, None)
-            for rnd in range(args.rounds):
-                for path in rotated(PATHS, rnd):
-                    gw, key = where[path]
-                    time.sleep(0.5)
-                    fanout.alone(gw, pids)
-                    m = batches(ports[gw], key, args, pids[gw])
-                    m["round"] = rnd + 1
-                    runs[path].append(m)
-                    print(
-                        f"  round {rnd + 1} {path:8s} {m['cpu_ms_per_request']:6.3f} CPU ms/request"
-                        f" {m['frames_s']:8.0f} frames/s, first frame p50 "
-                        f"{med(m['ttff_ms']):7.1f} ms p99 {pct(m['ttff_ms'], 99):7.1f} ms, "
-                        f"{m['stalled']} stalled",
-                        flush=True,
-                    )
-        finally:
-            for srv in servers.values():
-                os.kill(srv.pid, signal.SIGCONT)
-                srv.close()
-            upstream.kill()
-            upstream.wait()
-            subprocess.run(
-                ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tmp / "anchor")],
-                check=False,
-                capture_output=True,
-            )
+        with anchor_sources(args.anchor, tmp / "anchor") as src:
+            measure_all(args, tmp, src, runs)
     return runs
+
+
+def measure_all(
+    args: argparse.Namespace, tmp: Path, src: Path, runs: dict[str, list[dict[str, Any]]]
+) -> None:
+    """Every round of every path, the anchor's gateway running ``src``."""
+    upstream, up, _ = fanout.start_servers(tmp, "unused", (), deltas=args.deltas)
+    servers: dict[str, Server] = {}
+    try:
+        servers["before"] = gateway("before", tmp, up, KEYS_BEFORE, src)
+        servers["now"] = gateway("now", tmp, up, KEYS_NOW, None)
+        pids = {"before": servers["before"].pid, "now": servers["now"].pid}
+        ports = {"before": servers["before"].port, "now": servers["now"].port}
+        where = {"before": ("before", FREE), "free": ("now", FREE)}
+        where["limited"] = ("now", LIMITED)
+        for gw, key in where.values():  # warm-up: first-request paths, pools
+            fanout.measure(ports[gw], 8, key, args, None)
+        for rnd in range(args.rounds):
+            for path in rotated(PATHS, rnd):
+                gw, key = where[path]
+                time.sleep(0.5)
+                fanout.alone(gw, pids)
+                m = batches(ports[gw], key, args, pids[gw])
+                m["round"] = rnd + 1
+                runs[path].append(m)
+                print(
+                    f"  round {rnd + 1} {path:8s} {m['cpu_ms_per_request']:6.3f} CPU ms/request"
+                    f" {m['frames_s']:8.0f} frames/s, first frame p50 "
+                    f"{med(m['ttff_ms']):7.1f} ms p99 {pct(m['ttff_ms'], 99):7.1f} ms, "
+                    f"{m['stalled']} stalled",
+                    flush=True,
+                )
+    finally:
+        for srv in servers.values():
+            os.kill(srv.pid, signal.SIGCONT)
+            srv.close()
+        upstream.kill()
+        upstream.wait()
 
 
 def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -30,10 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from harness import RESULTS, report
+from harness.anchor import ROOT, anchor_sources
 from harness.machine import loadavg, machine_info
 from harness.stats import med, pct, rotated
 
-ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # tests.support.postgres: the suite's throwaway server
 
 
@@ -87,45 +88,26 @@ def run(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
 
     with tempfile.TemporaryDirectory(prefix="sluice-store-") as tmp_name:
         tmp = Path(tmp_name)
-        subprocess.run(
-            ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tmp / "anchor")]
-            + [args.anchor],
-            check=True,
-            capture_output=True,
-        )
-        try:
-            with PostgresServer.start() if find_bin() else _nothing() as pg:
-                paths = ["before", "sqlite"] + (["postgresql"] if pg is not None else [])
-                runs: dict[str, list[dict[str, Any]]] = {p: [] for p in paths}
-                for rnd in range(args.rounds):
-                    for path in rotated(tuple(paths), rnd):
-                        where = str(tmp / f"{path}-{rnd}.db")
-                        if path == "postgresql":
-                            assert pg is not None
-                            where = pg.create_database()
-                        src = tmp / "anchor" / "src" if path == "before" else None
-                        m = measure(path, where, args, src)
-                        runs[path].append(m)
-                        print(
-                            f"  round {rnd + 1} {path:10s} {m['turns_s']:7.0f} turns/s, turn "
-                            f"p50 {med(m['turn_ms']):6.2f} ms p95 {pct(m['turn_ms'], 95):6.2f} ms",
-                            flush=True,
-                        )
-        finally:
-            subprocess.run(
-                ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tmp / "anchor")],
-                check=False,
-                capture_output=True,
-            )
+        with (
+            anchor_sources(args.anchor, tmp / "anchor") as src,
+            PostgresServer.start() if find_bin() else contextlib.nullcontext() as pg,
+        ):
+            paths = ["before", "sqlite"] + (["postgresql"] if pg is not None else [])
+            runs: dict[str, list[dict[str, Any]]] = {p: [] for p in paths}
+            for rnd in range(args.rounds):
+                for path in rotated(tuple(paths), rnd):
+                    where = str(tmp / f"{path}-{rnd}.db")
+                    if path == "postgresql":
+                        assert pg is not None
+                        where = pg.create_database()
+                    m = measure(path, where, args, src if path == "before" else None)
+                    runs[path].append(m)
+                    print(
+                        f"  round {rnd + 1} {path:10s} {m['turns_s']:7.0f} turns/s, turn "
+                        f"p50 {med(m['turn_ms']):6.2f} ms p95 {pct(m['turn_ms'], 95):6.2f} ms",
+                        flush=True,
+                    )
     return runs
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def markdown(doc: dict[str, Any]) -> str:

@@ -425,9 +425,6 @@ class Gate:
         self.headers: dict[str, str] = {}
         self._holds = 1
 
-    def allows(self, names: Iterable[str]) -> bool:
-        return self.limits.allows(names)
-
     async def admit(self) -> None:
         if self.admitted:
             return

@@ -298,7 +298,7 @@ class Relayed(Protocol):
 
     def relay(self, write: Callable[[bytes], None]) -> Any:
         """Start handing whole events to ``write``; the relay (``done``, ``pause``,
-        ``resume``: ``upstream.backend.Relay``)."""
+        ``resume``, ``resumable`` and ``continued``: ``upstream.backend.Relay``)."""
         ...
 
 
