@@ -4,9 +4,12 @@ framings, keep-alive and its stale connections, flow control, timeouts, bad answ
 from __future__ import annotations
 
 import asyncio
+import socket
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
+import uvloop
 
 from sluice.upstream import wire
 from sluice.upstream.wire import Origin, WireClient
@@ -259,4 +262,62 @@ async def test_cancelled_while_waiting_drops_the_connection(
     assert await r.aread() == b"ok"
     await r.aclose()
     assert srv.connections == 2
+    await c.aclose()
+
+
+def _one_answer_server(got: threading.Event) -> int:
+    """A thread serving one connection: it sets ``got`` once a request head arrived,
+    then answers "ok"."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn, listener:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += conn.recv(4096)
+            got.set()
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            conn.recv(1)  # until the client closes
+
+    threading.Thread(target=serve, daemon=True).start()
+    port: int = listener.getsockname()[1]
+    return port
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_new_connection_carries_its_request_at_once(loop: str) -> None:
+    """To an IP address over plain HTTP the request is written in the task's own step,
+    with the connect: a burst's first requests reach the upstream while sluice reads
+    the burst's others, not after (``_connect_sending``)."""
+    got = threading.Event()
+    port = _one_answer_server(got)
+
+    async def main() -> None:
+        c = client()
+        task = asyncio.ensure_future(
+            c.request("POST", Origin.parse(f"http://127.0.0.1:{port}"), "/v1/x", b"{}")
+        )
+        await asyncio.sleep(0)  # the request's first step runs
+        # The loop is blocked here: a request sent once the loop saw the connect up
+        # would not have left yet.
+        assert got.wait(5.0), "the request waited for a turn of the event loop"
+        r = await task
+        assert (r.status, await r.aread()) == (200, b"ok")
+        await r.aclose()
+        await c.aclose()
+
+    (uvloop.run if loop == "uvloop" else asyncio.run)(main())
+
+
+async def test_a_connect_not_up_at_once_is_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connect still in progress (a host across a network) is awaited on the loop,
+    then the request is written."""
+    monkeypatch.setattr(wire, "_writable", lambda sock: False)
+    got = threading.Event()
+    port = _one_answer_server(got)
+    c = client()
+    r = await c.request("POST", Origin.parse(f"http://127.0.0.1:{port}"), "/v1/x", b"{}")
+    assert got.is_set() and (r.status, await r.aread()) == (200, b"ok")
+    await r.aclose()
     await c.aclose()
