@@ -15,7 +15,6 @@ import socket
 import ssl
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ import pytest
 from sluice.core.errors import DownloadNotAllowed, InvalidRequest
 from sluice.models.downloads import DownloadJob, DownloadManager, public_only_transport
 from tests.support.servers import http_server
+from tests.support.tls import certificates
 
 BODY = b"GGUF" + bytes(4096)
 PUBLIC = "93.184.215.14"  # what the fake DNS says a "public" name is; never connected to
@@ -448,63 +448,13 @@ async def test_allowed_hosts_names_ignore_case_and_a_final_dot(
 # -- TLS ----------------------------------------------------------------------------------
 
 
-def _certificates(tmp_path: Path, name: str) -> tuple[Path, Path, Path]:
-    """A CA, and a server certificate for ``name`` it signed: (ca, cert, key) PEM files."""
-    pytest.importorskip("cryptography")
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-    now = datetime.now(UTC)
-
-    def build(subject: str, key: Any, issuer: str, signer: Any, ca: bool) -> Any:
-        b = (
-            x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-            .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - timedelta(minutes=5))
-            .not_valid_after(now + timedelta(days=1))
-            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), False)
-            .add_extension(
-                x509.AuthorityKeyIdentifier.from_issuer_public_key(signer.public_key()), False
-            )
-        )
-        if ca:
-            b = b.add_extension(
-                x509.KeyUsage(False, False, False, False, False, True, True, False, False), True
-            )
-        else:
-            b = b.add_extension(x509.SubjectAlternativeName([x509.DNSName(subject)]), False)
-            b = b.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), False)
-        return b.sign(signer, hashes.SHA256())
-
-    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    ca = build("sluice test CA", ca_key, "sluice test CA", ca_key, True)
-    cert = build(name, key, "sluice test CA", ca_key, False)
-    paths = tmp_path / "ca.pem", tmp_path / "cert.pem", tmp_path / "key.pem"
-    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    paths[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    paths[2].write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return paths
-
-
 @pytest.mark.parametrize(("certified", "completes"), [("files.test", True), ("other.test", False)])
 async def test_tls_checks_the_url_host_though_the_connection_is_by_address(
     tmp_path: Path, make: Make, dns: Callable[..., FakeDNS], certified: str, completes: bool
 ) -> None:
     """The checking transport connects to the checked address by number; TLS still
     sends the URL's host as SNI and verifies the certificate against it."""
-    ca, cert, key = _certificates(tmp_path, certified)
+    ca, cert, key = certificates(tmp_path, certified)
     server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server_tls.load_cert_chain(cert, key)
     sni: list[str | None] = []

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import pytest
 import uvloop
@@ -14,6 +16,7 @@ import uvloop
 from sluice.upstream import wire
 from sluice.upstream.wire import Origin, WireClient
 from tests.support.servers import free_port
+from tests.support.tls import certificates
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -321,3 +324,51 @@ async def test_a_connect_not_up_at_once_is_waited_for(monkeypatch: pytest.Monkey
     assert got.is_set() and (r.status, await r.aread()) == (200, b"ok")
     await r.aclose()
     await c.aclose()
+
+
+async def test_https_streams_keeps_alive_and_checks_the_certificate(tmp_path: Path) -> None:
+    """Over TLS: a chunked stream read as it comes, the connection kept alive, and a
+    certificate that is not trusted (or not for the host) refused before any request."""
+    ca, cert, key = certificates(tmp_path, "localhost")
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_tls.load_cert_chain(cert, key)
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+            for part in (b"data: 1\n\n", b"data: 2\n\n", b""):
+                writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+                await writer.drain()
+                await asyncio.sleep(0.01)
+
+    srv = Server(handler)
+    server = await asyncio.start_server(srv._serve, "127.0.0.1", 0, ssl=server_tls)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        c = WireClient(
+            connect_timeout=2.0, timeout=5.0, ssl_context=ssl.create_default_context(cafile=ca)
+        )
+        origin = Origin.parse(f"https://localhost:{port}")
+        for _ in range(2):
+            r = await c.request("POST", origin, "/v1/chat/completions", b"{}")
+            parts = []
+            while data := await r.read_some():
+                parts.append(data)
+            assert r.status == 200 and b"".join(parts) == b"data: 1\n\ndata: 2\n\n"
+            assert len(parts) >= 2  # as the chunks came
+            await r.aclose()
+        assert srv.connections == 1
+        await c.aclose()
+
+        untrusted = client()  # the system's CAs only
+        with pytest.raises(wire.Unreachable, match="CERTIFICATE_VERIFY_FAILED"):
+            await untrusted.request("POST", origin, "/v1/chat/completions", b"{}")
+        other = WireClient(
+            connect_timeout=2.0, timeout=5.0, ssl_context=ssl.create_default_context(cafile=ca)
+        )
+        with pytest.raises(wire.Unreachable, match="CERTIFICATE_VERIFY_FAILED"):  # wrong name
+            await other.request("POST", Origin.parse(f"https://127.0.0.1:{port}"), "/", b"{}")
+        assert srv.connections == 1  # no request reached the server over those
+    finally:
+        server.close()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -37,7 +38,12 @@ _FIELDS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "e
 
 def day_of(at: float) -> str:
     """``at`` (a timestamp) as its UTC day, ``YYYY-MM-DD``."""
-    return datetime.fromtimestamp(at, UTC).date().isoformat()
+    return _day(int(at // 86400))
+
+
+@functools.lru_cache(maxsize=4)
+def _day(days: int) -> str:  # days since the epoch: every request asks for today's
+    return datetime.fromtimestamp(days * 86400, UTC).date().isoformat()
 
 
 class UsageLedger:

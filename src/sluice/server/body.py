@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 from starlette.requests import ClientDisconnect, Request
 
@@ -54,15 +54,27 @@ async def read_body(request: Request, limit: int) -> bytes:
     declared = _content_length(request)
     allowance = drain_allowance(limit)
     over = declared is not None and declared > limit
+    first: bytes | None = None  # the first message's body, when read already
+    more = True  # more of the body is to be received
     if over:
         message = f"The request body is {declared} bytes; the limit is {limit}."
         if _expects_continue(request) or (declared is not None and declared > allowance):
             raise BodyTooLarge(message, close=True)
     else:
         message = f"The request body is over the limit of {limit} bytes."
+        # The usual case, a body that came whole in one message, without the stream's
+        # generator (a gateway reads one per request: measured on the fan-out benchmark).
+        received_message = await request.receive()
+        if received_message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        first = received_message.get("body", b"")
+        more = received_message.get("more_body", False)
+        if not more and len(first) <= limit:
+            request._body = first  # request.body() and .stream() still work
+            return first
     body = bytearray()
     received = 0
-    async with contextlib.aclosing(request.stream()) as chunks:
+    async with contextlib.aclosing(_chunks(request, first, more)) as chunks:
         if not over:
             async for chunk in chunks:
                 received += len(chunk)
@@ -75,6 +87,16 @@ async def read_body(request: Request, limit: int) -> bytes:
         body.clear()
         complete = await _discard_rest(chunks, received, allowance)
     raise BodyTooLarge(message, close=not complete)
+
+
+async def _chunks(request: Request, first: bytes | None, more: bool) -> AsyncGenerator[bytes, None]:
+    """The body's chunks as ``request.stream()`` gives them, ``first`` already received
+    (and ``more`` to come, or not)."""
+    if first is not None:
+        yield first
+    if more:
+        async for chunk in request.stream():
+            yield chunk
 
 
 async def read_request_body(
