@@ -207,6 +207,9 @@ def _serve(args: argparse.Namespace) -> int:
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
+        # Above info the access log is never written: uvicorn would still format each
+        # request's client and path for it (measured: ~1% of a gateway request).
+        access_log=settings.log_level in ("debug", "info"),
         timeout_graceful_shutdown=math.ceil(grace + _FLUSH_SECONDS),
     )
     # After uvicorn set its loggers up: a ?key= in a request line is never logged.
