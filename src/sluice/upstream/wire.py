@@ -472,7 +472,8 @@ class WireClient:
         *,
         connect_timeout: float,
         timeout: float,
-        max_idle: int = 512,
+        # A gateway that holds a thousand streams to a replica keeps their connections.
+        max_idle: int = 2048,
         # 90 s: Go's net/http and Rust's reqwest keep an idle connection as long, the
         # clients most gateways are written on. A server that closes one sooner is seen
         # at its reuse, and a request it never read is sent again on a new connection.
