@@ -1,8 +1,8 @@
 """Two sluice processes on one PostgreSQL database serve as one: a ``/c1`` conversation
 started through one continues through the other, a 10-a-minute key gets exactly 10 of
 12 requests through when they are spread over both, usage counted on one is read on
-the other, and a background response started on one is read, resumed and cancelled
-through the other."""
+the other, and a background response started on one is read, resumed, cancelled and
+deleted through the other."""
 
 from __future__ import annotations
 
@@ -187,3 +187,22 @@ def test_a_background_response_is_cancelled_through_the_other_instance(
     for base in pair:
         frames = _raw_events(base, created.id).split(b"\n\n")
         assert frames[-2].startswith(b"event: response.cancelled\n")
+
+
+def test_a_background_response_deleted_through_the_other_instance_stays_deleted(
+    pair: tuple[str, str],
+) -> None:
+    """The running instance stops it first: its end would otherwise store it again."""
+    one, two = pair
+    created = _story(one)
+    deadline = time.monotonic() + 60
+    while created.id not in _in_flight(one):
+        assert time.monotonic() < deadline, "the response never started"
+        time.sleep(0.1)
+    deleted = httpx.delete(f"{two}/v1/responses/{created.id}", headers=_auth(ADMIN), timeout=30)
+    assert deleted.status_code == 200 and deleted.json()["deleted"] is True
+    assert created.id not in _in_flight(one)  # it stopped generating
+    time.sleep(1.0)  # past the running instance's end, had it gone on
+    for base in pair:
+        got = httpx.get(f"{base}/v1/responses/{created.id}", headers=_auth(ADMIN), timeout=10)
+        assert got.status_code == 404, got.text

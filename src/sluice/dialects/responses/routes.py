@@ -431,6 +431,15 @@ async def _find(
     response_id = request.path_params["response_id"]
     owner = key_name(request)
     run = state.runs.get(response_id, owner=owner)
+    if (  # ended here and stored, then deleted through another instance: its log goes too
+        run is not None
+        and run.done
+        and state.store.shared
+        and _current(run, None).get("store")
+        and await state.store.get_response(response_id, owner=owner) is None
+    ):
+        state.runs.forget(response_id)
+        run = None
     stored = None if run is not None else await state.store.get_response(response_id, owner=owner)
     if run is None and stored is None:
         raise ResponseNotFound(response_id)
@@ -485,11 +494,16 @@ async def cancel(request: Request) -> Response:
 
 
 async def delete(request: Request) -> Response:
-    state, response_id, owner, run, _ = await _find(request)
+    state, response_id, owner, run, stored = await _find(request)
     if run is not None:
         run.cancel()
         await run.wait()
         state.runs.forget(response_id)
+    elif stored is not None and stored.body.get("status") in ("queued", "in_progress"):
+        # Running on another instance: stopped first, or its end would store it again.
+        events = shared(state.store)
+        if events is not None:
+            await cancel_elsewhere(state.store, events, response_id, owner)
     await state.store.delete_response(response_id, owner=owner)
     return json_response({"id": response_id, "object": "response.deleted", "deleted": True})
 
