@@ -9,6 +9,7 @@ import ssl
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import uvloop
@@ -268,39 +269,51 @@ async def test_cancelled_while_waiting_drops_the_connection(
     await c.aclose()
 
 
-def _one_answer_server(got: threading.Event) -> int:
-    """A thread serving one connection: it sets ``got`` once a request head arrived,
-    then answers "ok"."""
+def _one_answer_server(got: threading.Event, connections: int = 1) -> int:
+    """A thread serving ``connections`` connections, one request each: it sets ``got``
+    once the last one's request head arrived, and answers "ok" (closing all but the
+    last connection)."""
     listener = socket.create_server(("127.0.0.1", 0))
 
     def serve() -> None:
-        conn, _ = listener.accept()
-        with conn, listener:
-            data = b""
-            while b"\r\n\r\n" not in data:
-                data += conn.recv(4096)
-            got.set()
-            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
-            conn.recv(1)  # until the client closes
+        with listener:
+            for i in range(connections):
+                conn, _ = listener.accept()
+                with conn:
+                    data = b""
+                    while b"\r\n\r\n" not in data:
+                        data += conn.recv(4096)
+                    last = i == connections - 1
+                    if last:
+                        got.set()
+                    close = b"" if last else b"connection: close\r\n"
+                    conn.sendall(b"HTTP/1.1 200 OK\r\n%scontent-length: 2\r\n\r\nok" % close)
+                    if last:
+                        conn.recv(1)  # until the client closes
 
     threading.Thread(target=serve, daemon=True).start()
     port: int = listener.getsockname()[1]
     return port
 
 
-@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
-def test_a_new_connection_carries_its_request_at_once(loop: str) -> None:
-    """To an IP address over plain HTTP the request is written in the task's own step,
-    with the connect: a burst's first requests reach the upstream while sluice reads
-    the burst's others, not after (``_connect_sending``)."""
+@pytest.mark.parametrize(
+    ("loop", "host"), [("asyncio", "127.0.0.1"), ("uvloop", "127.0.0.1"), ("uvloop", "localhost")]
+)
+def test_a_new_connection_carries_its_request_at_once(loop: str, host: str) -> None:
+    """Over plain HTTP the request is written in the task's own step, with the connect:
+    a burst's first requests reach the upstream while sluice reads the burst's others,
+    not after (``_connect_sending``). A host name's addresses are looked up by its
+    first connection, then kept (``RESOLVED_FOR``)."""
     got = threading.Event()
-    port = _one_answer_server(got)
+    port = _one_answer_server(got, connections=2)
 
     async def main() -> None:
         c = client()
-        task = asyncio.ensure_future(
-            c.request("POST", Origin.parse(f"http://127.0.0.1:{port}"), "/v1/x", b"{}")
-        )
+        origin = Origin.parse(f"http://{host}:{port}")
+        r = await c.request("POST", origin, "/v1/x", b"{}")  # closed after its answer
+        assert await r.aread() == b"ok"
+        await r.aclose()
+        task = asyncio.ensure_future(c.request("POST", origin, "/v1/x", b"{}"))
         await asyncio.sleep(0)  # the request's first step runs
         # The loop is blocked here: a request sent once the loop saw the connect up
         # would not have left yet.
@@ -372,3 +385,41 @@ async def test_https_streams_keeps_alive_and_checks_the_certificate(tmp_path: Pa
         assert srv.connections == 1  # no request reached the server over those
     finally:
         server.close()
+
+
+async def test_a_names_addresses_are_tried_in_turn_and_looked_up_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A name whose first address refuses (``localhost`` as ::1 before a server bound
+    to 127.0.0.1 only) is connected on its next one, which is tried first from then
+    on; a burst's connections share one lookup; a name that does not resolve is
+    unreachable."""
+    got = threading.Event()
+    port = _one_answer_server(got, connections=3)
+    closed = free_port()
+    lookups: list[str] = []
+
+    async def getaddrinfo(host: str, port_: int, **kw: object) -> list[tuple[Any, ...]]:
+        lookups.append(host)
+        await asyncio.sleep(0.05)
+        if host == "nowhere.invalid":
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        stream = socket.SOCK_STREAM
+        return [
+            (socket.AF_INET, stream, 6, "", ("127.0.0.1", closed)),
+            (socket.AF_INET, stream, 6, "", ("127.0.0.1", port)),
+        ]
+
+    loop = asyncio.get_running_loop()
+    monkeypatch.setattr(loop, "getaddrinfo", getaddrinfo)
+    c = client()
+    origin = Origin.parse(f"http://upstream.test:{port}")
+    answers = await asyncio.gather(*(c.request("POST", origin, "/", b"{}") for _ in range(3)))
+    assert lookups == ["upstream.test"]  # one lookup for the three
+    for r in answers:
+        assert await r.aread() == b"ok"
+        await r.aclose()
+    assert c._resolved[("upstream.test", port)][1][0][1] == ("127.0.0.1", port)
+    with pytest.raises(wire.Unreachable, match="Name or service not known"):
+        await c.request("POST", Origin.parse("http://nowhere.invalid:80"), "/", b"{}")
+    await c.aclose()

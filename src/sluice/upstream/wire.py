@@ -32,6 +32,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import ipaddress
 import os
@@ -39,12 +40,17 @@ import select
 import socket
 import ssl as _ssl
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Literal, cast
+from typing import Any, Literal, cast
 from urllib.parse import urlsplit
 
 import httptools
+
+# How long a host name's addresses are used once looked up. A connection's address is
+# its own for as long as it is kept; this bounds how late a changed name is seen by new
+# ones (Envoy's DNS refresh: 5 s; Go's and reqwest's clients: every connect).
+RESOLVED_FOR = 10.0
 
 # A reader this far behind pauses the socket until it catches up.
 HIGH_WATER = 256 * 1024
@@ -487,6 +493,11 @@ class WireClient:
         self._ssl = ssl_context
         self._pools: dict[Origin, list[_Connection]] = {}
         self._closed = False
+        # Host names' addresses (until when, [(family, address)]), and lookups under way.
+        self._resolved: dict[tuple[str, int], tuple[float, list[tuple[int, tuple[Any, ...]]]]] = {}
+        self._resolving: dict[
+            tuple[str, int], asyncio.Future[list[tuple[int, tuple[Any, ...]]]]
+        ] = {}
 
     async def request(
         self,
@@ -516,9 +527,9 @@ class WireClient:
             except BaseException:
                 conn.abort()  # cancelled, or timed out: the connection is in no state to reuse
                 raise
-        if origin.family is not None and origin.scheme == "http":
+        if origin.scheme == "http":
             return await self._connect_sending(origin, head, body, quiet)
-        conn = await self._connect(origin)
+        conn = await self._connect(origin)  # TLS: its handshake takes turns of the loop
         try:
             return await conn.send(head, body, quiet)
         except BaseException:
@@ -546,35 +557,31 @@ class WireClient:
         idle.append(conn)
 
     async def _connect(self, origin: Origin) -> _Connection:
+        """A connection over TLS, its handshake done (within the connect timeout too)."""
         loop = asyncio.get_running_loop()
-        ssl: _ssl.SSLContext | None = None
-        if origin.scheme == "https":
-            ssl = self._ssl or _ssl.create_default_context()
+        ssl = self._ssl or _ssl.create_default_context()
+        sock = await self._open(loop, origin)
         try:
-            async with asyncio.timeout(self.connect_timeout):
-                _, conn = await loop.create_connection(
-                    lambda: _Connection(self, origin, loop),
-                    origin.host,
-                    origin.port,
-                    ssl=ssl,
-                    server_hostname=origin.host if ssl is not None else None,
-                )
-        except TimeoutError:
-            raise ConnectTimeout(
-                f"did not accept the connection within {self.connect_timeout:g} s"
-            ) from None
-        except ConnectionRefusedError:
-            raise ConnectRefused("refused the connection") from None
-        except OSError as exc:
-            raise Unreachable(f"could not be reached ({exc.strerror or exc})") from exc
+            with _connect_errors(self.connect_timeout):
+                async with asyncio.timeout(self.connect_timeout):
+                    _, conn = await loop.create_connection(
+                        lambda: _Connection(self, origin, loop),
+                        sock=sock,
+                        ssl=ssl,
+                        server_hostname=origin.host,
+                    )
+        except BaseException:
+            sock.close()
+            raise
         return conn
 
     async def _connect_sending(
         self, origin: Origin, head: bytes, body: bytes, quiet: float
     ) -> WireResponse:
-        """Connect to an IP address over plain HTTP, and write the request the moment
-        the connection is up: without waiting for a turn of the event loop when it is
-        up at once (loopback, and a host on the same machine).
+        """Connect over plain HTTP, and write the request the moment the connection is
+        up: without waiting for a turn of the event loop when it is up at once
+        (loopback, and a host on the same machine) and the host is an IP address or
+        one resolved in the last :data:`RESOLVED_FOR` seconds.
 
         A burst of requests arrives in one read of many sockets, and each one's task
         runs up to its connect before any of them runs on; a connect awaited the usual
@@ -583,25 +590,8 @@ class WireClient:
         it later still (``benchmarks/fanout.py``). Written at once, the upstream works
         on each request while sluice reads the next one, as with a kept-alive one."""
         loop = asyncio.get_running_loop()
-        assert origin.family is not None
-        sock = socket.socket(origin.family, socket.SOCK_STREAM)
+        sock = await self._open(loop, origin)
         try:
-            sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            rc = sock.connect_ex((origin.host, origin.port))
-            if rc == errno.EINPROGRESS and not _writable(sock):
-                try:
-                    async with asyncio.timeout(self.connect_timeout):
-                        await _wait_writable(loop, sock)
-                except TimeoutError:
-                    raise ConnectTimeout(
-                        f"did not accept the connection within {self.connect_timeout:g} s"
-                    ) from None
-            elif rc not in (0, errno.EINPROGRESS):
-                raise OSError(rc, os.strerror(rc))
-            rc = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-            if rc:
-                raise OSError(rc, os.strerror(rc))
             request = head + body
             try:
                 sent = sock.send(request)
@@ -610,9 +600,6 @@ class WireClient:
             conn = _Connection(self, origin, loop)
             answer = conn.expect(quiet)  # it may arrive before this task runs on
             await loop.create_connection(lambda: conn, sock=sock)
-        except ConnectionRefusedError:
-            sock.close()
-            raise ConnectRefused("refused the connection") from None
         except OSError as exc:
             sock.close()
             raise Unreachable(f"could not be reached ({exc.strerror or exc})") from exc
@@ -628,6 +615,70 @@ class WireClient:
             conn.abort()
             raise
 
+    async def _open(self, loop: asyncio.AbstractEventLoop, origin: Origin) -> socket.socket:
+        """A socket connected to ``origin`` (its addresses tried in turn), within the
+        connect timeout; raises the :class:`WireError` of the last failure."""
+        with _connect_errors(self.connect_timeout):
+            async with asyncio.timeout(self.connect_timeout):
+                addresses = await self._addresses(loop, origin)
+                failure: OSError | None = None
+                for family, address in tuple(addresses):  # (shared: reordered by others)
+                    sock = socket.socket(family, socket.SOCK_STREAM)
+                    try:
+                        sock.setblocking(False)
+                        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                        rc = sock.connect_ex(address)
+                        if rc == errno.EINPROGRESS and not _writable(sock):
+                            await _wait_writable(loop, sock)
+                        elif rc not in (0, errno.EINPROGRESS):
+                            raise OSError(rc, os.strerror(rc))
+                        rc = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                        if rc:
+                            raise OSError(rc, os.strerror(rc))
+                    except OSError as exc:
+                        sock.close()
+                        failure = exc
+                        continue
+                    except BaseException:
+                        sock.close()
+                        raise
+                    if addresses[0] != (family, address) and (family, address) in addresses:
+                        addresses.remove((family, address))  # the one that answers: first
+                        addresses.insert(0, (family, address))
+                    return sock
+                assert failure is not None
+                raise failure
+
+    async def _addresses(
+        self, loop: asyncio.AbstractEventLoop, origin: Origin
+    ) -> list[tuple[int, tuple[Any, ...]]]:
+        """``origin``'s socket addresses: its IP address, or its name's, looked up once
+        for :data:`RESOLVED_FOR` seconds (a burst's requests share one lookup)."""
+        if origin.family is not None:
+            return [(origin.family, (origin.host, origin.port))]
+        name = (origin.host, origin.port)
+        known = self._resolved.get(name)
+        if known is not None and known[0] > loop.time():
+            return known[1]
+        lookup = self._resolving.get(name)
+        if lookup is None:
+            lookup = self._resolving[name] = asyncio.ensure_future(self._lookup(loop, origin))
+            lookup.add_done_callback(lambda _: self._resolving.pop(name, None))
+        return await asyncio.shield(lookup)
+
+    async def _lookup(
+        self, loop: asyncio.AbstractEventLoop, origin: Origin
+    ) -> list[tuple[int, tuple[Any, ...]]]:
+        infos = await loop.getaddrinfo(origin.host, origin.port, type=socket.SOCK_STREAM)
+        addresses: list[tuple[int, tuple[Any, ...]]] = []
+        for family, _, _, _, address in infos:
+            if (family, address) not in addresses:
+                addresses.append((family, address))
+        if not addresses:
+            raise OSError(f"{origin.host} has no address")
+        self._resolved[(origin.host, origin.port)] = (loop.time() + RESOLVED_FOR, addresses)
+        return addresses
+
     async def aclose(self) -> None:
         """Close every idle connection; answers still being read keep theirs until closed."""
         self._closed = True
@@ -635,6 +686,19 @@ class WireClient:
         for idle in pools.values():
             for conn in idle:
                 conn.abort()
+
+
+@contextlib.contextmanager
+def _connect_errors(timeout: float) -> Iterator[None]:
+    """A failure to connect as its :class:`WireError`."""
+    try:
+        yield
+    except TimeoutError:
+        raise ConnectTimeout(f"did not accept the connection within {timeout:g} s") from None
+    except ConnectionRefusedError:
+        raise ConnectRefused("refused the connection") from None
+    except OSError as exc:
+        raise Unreachable(f"could not be reached ({exc.strerror or exc})") from exc
 
 
 def _writable(sock: socket.socket) -> bool:
