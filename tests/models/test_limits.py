@@ -101,6 +101,42 @@ async def test_streams_at_once_are_held_until_released() -> None:
     assert lim.streams("ci") == 0
 
 
+class SharedLeases:
+    """A shared store's stream leases, as two instances see them (in memory)."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, str] = {}
+        self.next = 0
+
+    async def take_stream(self, key: str, limit: int) -> int | None:
+        if sum(1 for k in self.held.values() if k == key) >= limit:
+            return None
+        self.next += 1
+        self.held[self.next] = key
+        return self.next
+
+    async def drop_stream(self, lease: int) -> None:
+        del self.held[lease]
+
+
+async def test_streams_at_once_hold_across_instances_on_a_shared_store() -> None:
+    leases = SharedLeases()
+    one, two = limiter(Clock(), max_streams=1), limiter(Clock(), max_streams=1)
+    one.leases = two.leases = leases
+    first = await admitted(one)
+    with pytest.raises(RateLimited, match="across the sluice instances") as refused:
+        await admitted(two)  # the other instance's stream holds the key's one
+    assert refused.value.retry_after == 1.0 and two.streams("ci") == 0
+    first.release()
+    await one.settle()  # its lease dropped
+    assert leases.held == {}
+    second = await admitted(two)
+    assert list(leases.held.values()) == ["ci"]
+    second.release()
+    await two.settle()
+    assert leases.held == {}
+
+
 async def test_tokens_a_minute() -> None:
     clock = Clock()
     lim = limiter(clock, tpm=100)

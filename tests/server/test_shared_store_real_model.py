@@ -23,6 +23,7 @@ pytestmark = pytest.mark.integration
 
 ADMIN = "sk-admin-shared-01"
 TEN = "sk-ten-shared-0001"
+SINGLE = "sk-single-stream-01"
 HI = [{"role": "user", "content": "Hi"}]
 
 
@@ -36,7 +37,10 @@ def pair(
 ) -> Iterator[tuple[str, str]]:
     url = postgres_server.create_database()
     conf: Path = tmp_path_factory.mktemp("shared") / "sluice.toml"
-    conf.write_text(f'[keys]\nadmin = "{ADMIN}"\nten = {{ key = "{TEN}", rpm = 10 }}\n')
+    conf.write_text(
+        f'[keys]\nadmin = "{ADMIN}"\nten = {{ key = "{TEN}", rpm = 10 }}\n'
+        f'single = {{ key = "{SINGLE}", max_streams = 1 }}\n'
+    )
     args = ("--config", str(conf), "--store", url, *QUIET)
     try:
         with serve_process(*args) as one, serve_process(*args) as two:
@@ -123,9 +127,9 @@ def _in_flight(base: str) -> list[str]:
     return [entry["id"] for entry in listed.json()["data"]]
 
 
-def _story(base: str) -> Response:
+def _story(base: str, key: str = ADMIN) -> Response:
     """A background response of a couple of hundred tokens, started through ``base``."""
-    return openai.OpenAI(base_url=f"{base}/v1", api_key=ADMIN).responses.create(
+    return openai.OpenAI(base_url=f"{base}/v1", api_key=key).responses.create(
         model="smollm2", input=STORY, max_output_tokens=200, temperature=0, background=True
     )
 
@@ -206,3 +210,26 @@ def test_a_background_response_deleted_through_the_other_instance_stays_deleted(
     for base in pair:
         got = httpx.get(f"{base}/v1/responses/{created.id}", headers=_auth(ADMIN), timeout=10)
         assert got.status_code == 404, got.text
+
+
+def test_streams_at_once_hold_across_the_instances(pair: tuple[str, str]) -> None:
+    """A key of one stream at once: its background response running on one instance
+    holds it on the other too, until it ends."""
+    one, two = pair
+    created = _story(one, SINGLE)
+    body = {"model": "smollm2", "messages": HI, "max_tokens": 4}
+    refused = httpx.post(f"{two}/v1/chat/completions", json=body, headers=_auth(SINGLE), timeout=30)
+    assert refused.status_code == 429, refused.text
+    assert "across the sluice instances" in refused.json()["error"]["message"]
+    assert refused.headers["retry-after"] == "1"
+    cancelled = openai.OpenAI(base_url=f"{one}/v1", api_key=SINGLE).responses.cancel(created.id)
+    assert cancelled.status == "cancelled"
+    deadline = time.monotonic() + 10
+    while True:  # its lease is dropped as it ends
+        answer = httpx.post(
+            f"{two}/v1/chat/completions", json=body, headers=_auth(SINGLE), timeout=60
+        )
+        if answer.status_code == 200:
+            break
+        assert answer.status_code == 429 and time.monotonic() < deadline, answer.text
+        time.sleep(0.2)

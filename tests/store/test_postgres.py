@@ -337,6 +337,36 @@ async def test_two_stores_admit_exactly_the_limit(postgres_url: str) -> None:
             assert results.count(0.0) == 10, start
 
 
+async def test_stream_leases_hold_the_limit_across_instances(postgres_url: str) -> None:
+    """max_streams across instances: leases of live instances count, a dropped one frees
+    a place, and those of an instance that stopped (or died) do not count."""
+    async with await PostgresStore.open(postgres_url) as one:
+        two = await PostgresStore.open(postgres_url)
+        taken = await asyncio.gather(
+            *(store.take_stream("ci", 3) for store in [one, two] * 3)  # a race
+        )
+        granted = [lease for lease in taken if lease is not None]
+        assert len(granted) == 3
+        for lease in granted:
+            await one.drop_stream(lease)
+        first, second = await two.take_stream("ci", 3), await two.take_stream("ci", 3)
+        assert first is not None and second is not None
+        assert await one.take_stream("ci", 3) is not None
+        assert await one.take_stream("ci", 3) is None  # two's two and one's one
+        await two.drop_stream(first)
+        assert await one.take_stream("ci", 3) is not None  # the place it freed
+        assert await one.take_stream("ci", 3) is None
+        await two.close()  # its lease goes with it
+        assert await one.take_stream("ci", 3) is not None
+        # a dead instance's leases (no heartbeat for dead_after) do not count either
+        query(
+            postgres_url,
+            "INSERT INTO instances (id, last_seen) VALUES ('dead', now() - interval '1 hour');"
+            "INSERT INTO stream_leases (key, instance) VALUES ('other', 'dead')",
+        )
+        assert await one.take_stream("other", 1) is not None
+
+
 _TAKER = textwrap.dedent(
     """
     import asyncio, sys, time

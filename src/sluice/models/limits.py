@@ -15,8 +15,8 @@ How each limit is counted:
 * ``tpm``: prompt and completion tokens of the requests that ended in the last 60
   seconds. A request is admitted while the key is under its limit; its own tokens count
   once it ends (nobody knows them before).
-* ``max_streams``: requests in flight at once, on this instance (a background response
-  counts until it ends).
+* ``max_streams``: requests in flight at once (a background response counts until it
+  ends).
 * ``token_budget`` per ``budget_period`` (``"day"`` and ``"month"`` start at midnight
   UTC; ``"total"`` never resets): prompt and completion tokens, from the usage ledger
   (``models/usage.py``), so a restart does not refill it.
@@ -27,8 +27,9 @@ Past a limit: :class:`~sluice.core.errors.RateLimited` (429, ``Retry-After``), i
 shape of the dialect the request came in on. Rate-limit headers go out on every answer
 to a limited key: OpenAI's ``x-ratelimit-*`` and Anthropic's ``anthropic-ratelimit-*``.
 
-With a shared store (PostgreSQL) the minute counters are the database's, so ``rpm`` and
-``tpm`` hold across every instance on it; otherwise they are kept in memory.
+With a shared store (PostgreSQL) the minute counters are the database's, and each
+stream in flight holds a lease there (:class:`StreamLeases`), so ``rpm``, ``tpm`` and
+``max_streams`` hold across every instance on it; otherwise they are kept in memory.
 
 Example::
 
@@ -40,6 +41,8 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
 import time
 from collections import deque
@@ -50,6 +53,8 @@ from typing import Any, Protocol
 
 from sluice.config.file import ConfigError, describe_value
 from sluice.core.errors import BudgetSpent, RateLimited, TokensLimited
+
+log = logging.getLogger("sluice.limits")
 
 WINDOW = 60.0  # seconds: rpm and tpm are "a minute"
 PERIODS = ("day", "month", "total")
@@ -130,6 +135,16 @@ class Counters(Protocol):
     async def tokens_since(self, key: str, since: float) -> tuple[int, float | None]:
         """Tokens recorded after ``since``, and when the oldest of them was recorded."""
         ...
+
+
+class StreamLeases(Protocol):
+    """Streams in flight counted by a shared store, across the instances on it."""
+
+    async def take_stream(self, key: str, limit: int) -> int | None:
+        """A lease on one of ``key``'s ``limit`` streams (its id); None if all are held."""
+        ...
+
+    async def drop_stream(self, lease: int) -> None: ...
 
 
 class MemoryCounters:
@@ -242,6 +257,9 @@ class Limiter:
         self._budgets: dict[str, list[Any]] = {}
         self._local = counters if isinstance(counters, MemoryCounters) else MemoryCounters()
         self._unsent: list[tuple[str, int, float]] = []
+        # Set with a shared store: max_streams then holds across its instances too.
+        self.leases: StreamLeases | None = None
+        self._dropping: set[asyncio.Task[None]] = set()
 
     def __bool__(self) -> bool:
         return bool(self.limits)
@@ -289,9 +307,18 @@ class Limiter:
         # Held before the checks that wait for a store, so two at once cannot both pass.
         self._streams[key] = self.streams(key) + 1
         try:
+            if limits.max_streams is not None and self.leases is not None:
+                gate.lease = await self.leases.take_stream(key, limits.max_streams)
+                if gate.lease is None:
+                    raise RateLimited(
+                        f"The key '{key}' has {limits.max_streams} request(s) in flight "
+                        "across the sluice instances, its max_streams; retry when one ends.",
+                        1.0,
+                        self.headers(gate.style, key, limits, now),
+                    )
             await self._check(gate, now)
         except BaseException:
-            self._release(key)
+            self._release(gate)
             raise
         gate.headers = self.headers(gate.style, key, limits, now)
 
@@ -330,12 +357,30 @@ class Limiter:
             if self._local is not self.counters:  # this instance's view, for the headers
                 await self._local.take_request(key, limit=1 << 30, window=WINDOW, now=now)
 
-    def _release(self, key: str) -> None:
+    def _release(self, gate: Gate) -> None:
+        key = gate.key
         left = self.streams(key) - 1
         if left > 0:
             self._streams[key] = left
         else:
             self._streams.pop(key, None)
+        lease, gate.lease = gate.lease, None
+        if lease is not None and self.leases is not None:
+            task = asyncio.ensure_future(self._drop(self.leases, lease))
+            self._dropping.add(task)
+            task.add_done_callback(self._dropping.discard)
+
+    @staticmethod
+    async def _drop(leases: StreamLeases, lease: int) -> None:
+        try:
+            await leases.drop_stream(lease)
+        except Exception:
+            log.warning("a stream's lease could not be dropped", exc_info=True)
+
+    async def settle(self) -> None:
+        """Until the leases of the streams that ended are dropped (shutdown)."""
+        while self._dropping:
+            await asyncio.gather(*self._dropping, return_exceptions=True)
 
     async def _budget(self, key: str, limits: KeyLimits, now: float) -> int:
         since = period_start(limits.budget_period, now)
@@ -414,7 +459,7 @@ class Gate:
     ``headers``: the rate-limit headers for the answer, once admitted.
     """
 
-    __slots__ = ("_holds", "admitted", "headers", "key", "limiter", "limits", "style")
+    __slots__ = ("_holds", "admitted", "headers", "key", "lease", "limiter", "limits", "style")
 
     def __init__(self, limiter: Limiter, key: str, limits: KeyLimits, style: str = "") -> None:
         self.limiter = limiter
@@ -423,6 +468,7 @@ class Gate:
         self.style = style
         self.admitted = False
         self.headers: dict[str, str] = {}
+        self.lease: int | None = None  # its stream's, with a shared store
         self._holds = 1
 
     async def admit(self) -> None:
@@ -437,4 +483,4 @@ class Gate:
     def release(self) -> None:
         self._holds -= 1
         if self._holds == 0 and self.admitted:
-            self.limiter._release(self.key)
+            self.limiter._release(self)

@@ -50,7 +50,7 @@ from sluice.dialects.responses import routes as responses
 from sluice.engine.runner import ModelRunner
 from sluice.local.model import LocalModel
 from sluice.models.flights import CALLER, Caller
-from sluice.models.limits import Counters, Limiter, MemoryCounters
+from sluice.models.limits import Counters, Limiter, MemoryCounters, StreamLeases
 from sluice.models.usage import UsageLedger
 from sluice.server.auth import ADMIN, STATE_KEY, USER, ApiKeys, BearerAuth, names_line
 from sluice.server.respond import Handler, errors_as
@@ -246,6 +246,7 @@ def _ledger(state: ServerState, limiter: Limiter) -> UsageLedger:
     store = state.store
     if getattr(store, "shared", False):
         limiter.counters = cast(Counters, store)
+        limiter.leases = cast(StreamLeases, store)
         limiter.shared = True
     ledger = UsageLedger(store, limiter)
     limiter.spent = ledger.spent
@@ -333,6 +334,7 @@ def create_app(
             await state.mcp.close()  # plugin servers stop (stdio children end)
             if state.usage is not None:
                 await state.usage.close()  # after the streams: every request counted
+            await limiter.settle()  # the ended streams' leases dropped
             await state.store.close()  # after the streams: their turns are recorded first
             await registry.close()
             state.offload.close()

@@ -723,6 +723,29 @@ class PostgresStore:
 
         return await self._aside(work, writes=False)
 
+    async def take_stream(self, key: str, limit: int) -> int | None:
+        """A lease on one of ``key``'s ``limit`` streams in flight across the instances
+        (its id), or None when they are all held."""
+
+        async def work(conn: Conn) -> int | None:
+            cursor = await conn.execute(
+                "SELECT sluice_take_stream(%s, %s, %s, %s)",
+                (key, limit, self.instance, self._dead_after),
+            )
+            row = await cursor.fetchone()
+            assert row is not None
+            return None if row[0] is None else int(row[0])
+
+        return await self._aside(work, writes=True)
+
+    async def drop_stream(self, lease: int) -> None:
+        """The stream ``lease`` was taken for ended."""
+
+        async def work(conn: Conn) -> None:
+            await conn.execute("DELETE FROM stream_leases WHERE id = %s", (lease,))
+
+        await self._aside(work, writes=True)
+
     async def close(self) -> None:
         if self._closed is None:
             self._closing = True
@@ -994,6 +1017,13 @@ class PostgresStore:
                 " ON CONFLICT (id) DO UPDATE SET last_seen = clock_timestamp()",
                 (self.instance,),
             )
+            # Streams in flight of instances gone (they no longer count).
+            await conn.execute(
+                "DELETE FROM stream_leases AS l WHERE NOT EXISTS ("
+                "   SELECT 1 FROM instances AS i WHERE i.id = l.instance"
+                "   AND i.last_seen > clock_timestamp() - make_interval(secs => %s))",
+                (self._dead_after,),
+            )
             # Events an instance that died left (a live one prunes its own at its runs'
             # grace): those an hour old, of responses no longer running.
             await conn.execute(
@@ -1031,6 +1061,9 @@ class PostgresStore:
             try:  # gone at once: another instance may end this one's unfinished responses
                 async with self._pool.connection() as conn:
                     await conn.execute("DELETE FROM instances WHERE id = %s", (self.instance,))
+                    await conn.execute(
+                        "DELETE FROM stream_leases WHERE instance = %s", (self.instance,)
+                    )
             except psycopg.Error:
                 log.warning("could not unregister instance %s", self.instance, exc_info=True)
         await self._abandon()

@@ -219,6 +219,41 @@ MIGRATIONS: tuple[str, ...] = (
     END
     $$;
     """,
+    # 4: a key's streams in flight across the instances (max_streams): a lease a stream,
+    # held by the instance serving it. Those of instances gone (no heartbeat for
+    # p_dead_after seconds) do not count, and a heartbeat deletes them. Taken under an
+    # advisory lock on the key, as sluice_take_request: count-then-insert is one step.
+    """
+    CREATE TABLE stream_leases (
+        id BIGSERIAL PRIMARY KEY,
+        key TEXT NOT NULL,
+        instance TEXT NOT NULL,
+        at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp()
+    );
+    CREATE INDEX stream_leases_by_key ON stream_leases (key);
+    CREATE INDEX stream_leases_by_instance ON stream_leases (instance);
+    CREATE FUNCTION sluice_take_stream(
+        p_key TEXT, p_limit INTEGER, p_instance TEXT, p_dead_after DOUBLE PRECISION
+    ) RETURNS BIGINT  -- the lease's id; NULL when p_limit leases are held
+    LANGUAGE plpgsql VOLATILE AS $$
+    DECLARE
+        held BIGINT;
+        lease BIGINT;
+    BEGIN
+        PERFORM pg_advisory_xact_lock(20943, hashtext(p_key));
+        SELECT count(*) INTO held FROM stream_leases AS l
+            WHERE l.key = p_key AND (l.instance = p_instance OR EXISTS (
+                SELECT 1 FROM instances AS i WHERE i.id = l.instance
+                AND i.last_seen > clock_timestamp() - make_interval(secs => p_dead_after)));
+        IF held >= p_limit THEN
+            RETURN NULL;
+        END IF;
+        INSERT INTO stream_leases (key, instance) VALUES (p_key, p_instance)
+            RETURNING id INTO lease;
+        RETURN lease;
+    END
+    $$;
+    """,
 )
 
 
