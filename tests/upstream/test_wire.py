@@ -326,17 +326,26 @@ def test_a_new_connection_carries_its_request_at_once(loop: str, host: str) -> N
     (uvloop.run if loop == "uvloop" else asyncio.run)(main())
 
 
-async def test_a_connect_not_up_at_once_is_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A connect still in progress (a host across a network) is awaited on the loop,
-    then the request is written."""
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_connect_not_up_at_once_is_waited_for(monkeypatch: pytest.MonkeyPatch, loop: str) -> None:
+    """A connect still in progress (a host across a network) is awaited on the loop
+    (its socket watched, then handed to a transport), then the request is written; the
+    connection is kept alive for the next."""
     monkeypatch.setattr(wire, "_writable", lambda sock: False)
     got = threading.Event()
-    port = _one_answer_server(got)
-    c = client()
-    r = await c.request("POST", Origin.parse(f"http://127.0.0.1:{port}"), "/v1/x", b"{}")
-    assert got.is_set() and (r.status, await r.aread()) == (200, b"ok")
-    await r.aclose()
-    await c.aclose()
+    port = _one_answer_server(got, connections=2)
+
+    async def main() -> None:
+        c = client()
+        origin = Origin.parse(f"http://127.0.0.1:{port}")
+        for _ in range(2):  # the first connection closed after its answer
+            r = await c.request("POST", origin, "/v1/x", b"{}")
+            assert (r.status, await r.aread()) == (200, b"ok")
+            await r.aclose()
+        assert got.is_set()
+        await c.aclose()
+
+    (uvloop.run if loop == "uvloop" else asyncio.run)(main())
 
 
 async def test_https_streams_keeps_alive_and_checks_the_certificate(tmp_path: Path) -> None:
