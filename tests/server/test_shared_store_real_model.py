@@ -233,3 +233,28 @@ def test_streams_at_once_hold_across_the_instances(pair: tuple[str, str]) -> Non
             break
         assert answer.status_code == 429 and time.monotonic() < deadline, answer.text
         time.sleep(0.2)
+
+
+def test_a_running_background_response_is_read_as_it_stands_through_the_other_instance(
+    pair: tuple[str, str],
+) -> None:
+    """GET through the other instance while it generates: in progress, with the text so
+    far (as of the running instance's last write of its events), which the final
+    answer then begins with."""
+    one, two = pair
+    created = _story(one)
+    other = openai.OpenAI(base_url=f"{two}/v1", api_key=ADMIN)
+    deadline = time.monotonic() + 60
+    while True:
+        partial = other.responses.retrieve(created.id)
+        if partial.status == "in_progress" and partial.output_text:
+            break
+        assert partial.status in ("queued", "in_progress"), partial.status
+        assert time.monotonic() < deadline, "no text through the other instance"
+        time.sleep(0.05)
+    while (ended := other.responses.retrieve(created.id)).status == "in_progress":
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert ended.status in ("completed", "incomplete")
+    assert ended.output_text.startswith(partial.output_text)
+    assert len(ended.output_text) > len(partial.output_text)

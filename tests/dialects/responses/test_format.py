@@ -24,6 +24,8 @@ from sluice.core.events import (
 )
 from sluice.core.frames import Frame
 from sluice.dialects.responses.format import ResponseFields, ResponsesFormatter
+from sluice.dialects.responses.shared import folded
+from sluice.server.sse import encode
 
 EVENTS: list[Event] = [
     Start(0, 20),
@@ -157,3 +159,19 @@ def test_a_cancelled_response_says_so() -> None:
     body = fmt.response()
     assert body["status"] == "cancelled" and body["output"][0]["content"][0]["text"] == "partial"
     assert fmt.end() == []
+
+
+def test_the_events_so_far_fold_into_the_response_as_it_stands() -> None:
+    """``shared.folded`` (GET through another instance): after each event the formatter
+    makes, its frames so far fold into what the formatter itself answers then."""
+    fmt = ResponsesFormatter(ResponseFields(id="resp_x", model="smollm2", background=True))
+    frames = list(fmt.start())
+    stored = fmt.response() | {"status": "queued"}
+    for event in EVENTS:
+        frames += fmt.frames(event)
+        got = folded(stored, [encode(f) for f in frames])
+        want = fmt.response()
+        assert got["status"] == want["status"] == "in_progress"
+        assert got["output"] == want["output"], event
+    assert any(item["type"] == "function_call" for item in got["output"])
+    assert folded(stored, []) == stored | {"output": []}

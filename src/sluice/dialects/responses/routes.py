@@ -64,6 +64,7 @@ from sluice.dialects.responses.format import (
 from sluice.dialects.responses.schema import ResponsesRequest, parse
 from sluice.dialects.responses.shared import (
     cancel_elsewhere,
+    folded,
     follow_stored,
     relay_for,
     shared,
@@ -471,7 +472,14 @@ async def retrieve(request: Request) -> Response:
                 return _sse(state, follow_stored(events, response_id, owner, starting_after))
             return _terminal(state, stored.body, starting_after)
         return _follow(state, run, starting_after)
-    return json_response(_current(run, stored))
+    body = _current(run, stored)
+    events = shared(state.store)
+    if run is None and events is not None and body.get("status") in ("queued", "in_progress"):
+        # Generating on another instance: as far as its events tell.
+        got = await events.events_after(response_id, owner=owner, after=-1)
+        if got is not None and got.unfinished:
+            body = folded(got.body, [frame for _, frame in got.frames])
+    return json_response(body)
 
 
 async def cancel(request: Request) -> Response:

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
+import json
 import logging
 import time
 import weakref
@@ -65,6 +67,50 @@ def terminal_frame(body: dict[str, Any], seq: int) -> bytes:
     or left by a stopped server), numbered ``seq``, with the response as it ended."""
     kind = TERMINAL.get(str(body.get("status")), "response.failed")
     return encode(Frame({"type": kind, "sequence_number": seq, "response": body}, event=kind))
+
+
+def folded(body: dict[str, Any], frames: list[bytes]) -> dict[str, Any]:
+    """The response as its events so far tell it: what ``GET /v1/responses/{id}`` answers
+    through another instance than the one generating it (status and output so far, as
+    that instance would answer, as of its last write of events). ``body``: the stored
+    response, used until an event carries the response."""
+    response = body
+    output: list[dict[str, Any]] = []
+    for frame in frames:
+        try:
+            data = json.loads(frame.split(b"\ndata: ", 1)[1])
+        except (IndexError, ValueError):
+            continue
+        kind = data.get("type")
+        if isinstance(data.get("response"), dict):
+            response = data["response"]
+            output = [dict(item) for item in response.get("output") or []]
+            continue
+        index = data.get("output_index")
+        if not isinstance(index, int) or index < 0:
+            continue
+        if kind in ("response.output_item.added", "response.output_item.done"):
+            while len(output) <= index:
+                output.append({})
+            output[index] = copy.deepcopy(data.get("item") or {})
+            continue
+        if index >= len(output):
+            continue
+        item = output[index]
+        if kind == "response.content_part.added":
+            parts = item.setdefault("content", [])
+            at = data.get("content_index", len(parts))
+            if isinstance(at, int) and 0 <= at <= len(parts):
+                part = copy.deepcopy(data.get("part") or {})
+                parts[at : at + 1] = [part]
+        elif kind in ("response.output_text.delta", "response.reasoning_text.delta"):
+            parts = item.get("content") or []
+            at = data.get("content_index", 0)
+            if isinstance(at, int) and 0 <= at < len(parts):
+                parts[at]["text"] = parts[at].get("text", "") + str(data.get("delta", ""))
+        elif kind == "response.function_call_arguments.delta":
+            item["arguments"] = item.get("arguments", "") + str(data.get("delta", ""))
+    return {**response, "output": output}
 
 
 def _is_terminal(frame: bytes) -> bool:
