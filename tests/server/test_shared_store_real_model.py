@@ -127,6 +127,14 @@ def _in_flight(base: str) -> list[str]:
     return [entry["id"] for entry in listed.json()["data"]]
 
 
+def _wait_generating(base: str, response_id: str) -> None:
+    """Until ``response_id`` is generating on the instance at ``base`` (60 s at most)."""
+    deadline = time.monotonic() + 60
+    while response_id not in _in_flight(base):
+        assert time.monotonic() < deadline, "the response never started"
+        time.sleep(0.1)
+
+
 def _story(base: str, key: str = ADMIN) -> Response:
     """A background response of a couple of hundred tokens, started through ``base``."""
     return openai.OpenAI(base_url=f"{base}/v1", api_key=key).responses.create(
@@ -175,10 +183,7 @@ def test_a_background_response_is_cancelled_through_the_other_instance(
 ) -> None:
     one, two = pair
     created = _story(one)
-    deadline = time.monotonic() + 60
-    while created.id not in _in_flight(one):  # generating on the first instance
-        assert time.monotonic() < deadline, "the response never started"
-        time.sleep(0.1)
+    _wait_generating(one, created.id)
     started = time.monotonic()
     cancelled = openai.OpenAI(base_url=f"{two}/v1", api_key=ADMIN).responses.cancel(created.id)
     assert cancelled.status == "cancelled"
@@ -199,10 +204,7 @@ def test_a_background_response_deleted_through_the_other_instance_stays_deleted(
     """The running instance stops it first: its end would otherwise store it again."""
     one, two = pair
     created = _story(one)
-    deadline = time.monotonic() + 60
-    while created.id not in _in_flight(one):
-        assert time.monotonic() < deadline, "the response never started"
-        time.sleep(0.1)
+    _wait_generating(one, created.id)
     deleted = httpx.delete(f"{two}/v1/responses/{created.id}", headers=_auth(ADMIN), timeout=30)
     assert deleted.status_code == 200 and deleted.json()["deleted"] is True
     assert created.id not in _in_flight(one)  # it stopped generating

@@ -98,8 +98,8 @@ class Origin:
     host: str
     port: int
     authority: bytes  # the Host header's value
-    # The address family of a host written as an IP address (None for a name): such an
-    # origin is connected to without a lookup, and its request sent with the connect.
+    # The address family of a host written as an IP address (None for a name, whose
+    # addresses are looked up): such an origin is connected to without a lookup.
     family: int | None = None
 
     @classmethod
