@@ -560,6 +560,31 @@ def test_chat_body_keeps_every_field_the_client_sent() -> None:
     assert not {"repeat_penalty", "repetition_penalty", "repeat_last_n"} & set(body)
 
 
+def test_a_continued_final_message_goes_up_as_the_servers_flags() -> None:
+    """Anthropic's and Ollama's prefill, and OpenAI's flag, as vLLM, SGLang, llama-server
+    and sluice read it; a request without one sends neither flag."""
+    from sluice.dialects.anthropic.schema import MessagesRequest
+    from sluice.dialects.ollama.schema import ChatRequest
+
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once"}]
+    flags = {"continue_final_message": True, "add_generation_prompt": False}
+    anthropic = MessagesRequest.model_validate({"model": "m", "max_tokens": 5, "messages": turns})
+    ollama = ChatRequest.model_validate({"model": "m", "messages": turns})
+    wire = {"messages": turns, **flags}
+    openai = ChatCompletionRequest.model_validate(wire).to_request()
+    for request in (anthropic.to_request(), ollama.to_request(), openai):
+        _, body = upstream_body(request, "u")
+        assert {k: body.get(k) for k in flags} == flags
+        assert body["messages"][-1] == {"role": "assistant", "content": "Once"}
+        # sluice behind sluice: the flag survives the trip.
+        assert ChatCompletionRequest.model_validate(body).to_request().continue_final
+    plain = ChatCompletionRequest.model_validate({"messages": turns}).to_request()
+    _, body = upstream_body(plain, "u")
+    assert not set(flags) & set(body)
+    asked = MessagesRequest.model_validate({"model": "m", "max_tokens": 5, "messages": turns[:1]})
+    assert not asked.to_request().continue_final
+
+
 def test_text_body_keeps_every_field_the_client_sent() -> None:
     wire = {
         "model": "c",

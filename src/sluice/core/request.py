@@ -189,6 +189,10 @@ class GenerationRequest:
     n: int = 1
     logprobs: int | None = None  # alternatives per token (0: only the chosen); None: none
     echo: bool = False  # text: the prompt is part of the answer (with logprobs if asked)
+    # chat: the final (assistant) message is the answer's beginning, which the model
+    # continues (Anthropic's prefill, OpenAI-compatible servers' continue_final_message);
+    # the answer holds only what follows it
+    continue_final: bool = False
 
     @property
     def is_chat(self) -> bool:

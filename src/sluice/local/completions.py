@@ -17,6 +17,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from sluice.core.backend import StreamMeta
 from sluice.core.errors import EngineFailure, InvalidRequest
@@ -106,6 +107,8 @@ class CompletionService:
             body, fmt=self.format, reasoning=self.reasoning, limits=self.tool_limits
         )
         plan.reasoning_budget = self.options.budgets.resolve(body, forced_call=plan.forced_call)
+        if body.continue_final:
+            _check_final(body.messages)
         messages = plan.prepare_messages(body.messages)
         extra = {**plan.template_extra(), **(body.template_kwargs or {})}
         if body.reasoning_effort is not None:
@@ -115,6 +118,9 @@ class CompletionService:
             extra.setdefault("thinking", False)
         # Everything the request put into the prompt is text, never control tokens.
         messages = self.guard.escape(messages)
+        final: tuple[str, str] | None = None  # a continued answer's text and reasoning
+        if body.continue_final:
+            messages, final = self._final_to_continue(messages, plan)
         images: list[Picture | Sound] = []
         projector = getattr(self.runner, "projector", None)
         if has_audio(messages) and not getattr(projector, "audio", False):
@@ -133,11 +139,15 @@ class CompletionService:
             messages, sources = take_images(messages)
             images = pictures(sources)
         prompt_text = self.template.render(messages, extra=self.guard.escape(extra))
+        if final is not None and plan.reasoning is None:
+            prompt_text += final[0]
         if plan.opening and not prompt_text.endswith(plan.opening):
             plan.opening = ""  # the prompt did not write it (no generation prompt)
         if plan.reasoning is not None:
             start, end = plan.reasoning.start, plan.reasoning.end
             opened = template_opens_think(prompt_text, start, end) if start else True
+            if final is not None:
+                prompt_text, opened = _continued(prompt_text, final, start, end, opened)
             if opened and plan.reasoning_budget == 0 and start:
                 # A template that opens the block whatever it is told: closed at once, in
                 # the prompt (an empty block, as templates write "thinking off").
@@ -155,6 +165,37 @@ class CompletionService:
             tokens, media = self._tokenize_with_images(prompt_text, images)
             return plan, tokens, media
         return plan, self._tokenize_prompt(prompt_text), ()
+
+    def _final_to_continue(
+        self, messages: list[dict[str, Any]], plan: OutputPlan
+    ) -> tuple[list[dict[str, Any]], tuple[str, str]]:
+        """The messages before the final one, and the final (assistant) message's text
+        and reasoning: the answer's beginning, which the prompt ends with (as llama.cpp
+        continues a final message: the generation prompt, then the reasoning, closed if
+        text follows, then the text)."""
+        final = messages[-1] if messages else {}
+        if self.format.name == "harmony":
+            raise InvalidRequest(
+                f"The model '{self.name}' (gpt-oss's channels) cannot continue an "
+                "assistant message.",
+                param="messages",
+            )
+        if plan.grammar is not None and not plan.triggers:
+            raise InvalidRequest(
+                "An assistant message to continue cannot be combined with a response "
+                "format or a forced tool call: their grammar starts the answer afresh.",
+                param="messages",
+            )
+        content = final.get("content")
+        if isinstance(content, list):
+            if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
+                raise InvalidRequest(
+                    "The assistant message to continue can only hold text.",
+                    param="messages",
+                )
+            content = "".join(str(p.get("text") or "") for p in content)
+        thought = final.get("reasoning_content")
+        return messages[:-1], (content or "", thought if isinstance(thought, str) else "")
 
     def _reasoning_limit(self, plan: OutputPlan) -> ReasoningLimit | None:
         """Where the engine finds the reasoning block, and the budget's closer."""
@@ -338,3 +379,35 @@ def _choice_seed(sampling: SamplingParams, index: int) -> SamplingParams:
     if index == 0 or sampling.seed is None:
         return sampling
     return replace(sampling, seed=(sampling.seed + index) % 0xFFFFFFFF)
+
+
+def _check_final(messages: list[dict[str, Any]]) -> None:
+    """That the request's final message is one the model can continue (as written,
+    before a format turns its calls into text)."""
+    final = messages[-1] if messages else {}
+    if final.get("role") != "assistant":
+        raise InvalidRequest(
+            "Only an assistant message last in 'messages' can be continued.", param="messages"
+        )
+    if final.get("tool_calls"):
+        raise InvalidRequest(
+            "An assistant message with tool calls cannot be continued: it is complete.",
+            param="messages",
+        )
+
+
+def _continued(
+    prompt: str, final: tuple[str, str], start: str, end: str, opened: bool
+) -> tuple[str, bool]:
+    """``prompt`` followed by the answer's beginning (``final``: its text and reasoning)
+    in a family with a reasoning block (``opened``: the prompt opened it); and whether
+    the block is still open, the model continuing the reasoning."""
+    text, thought = final
+    if not (opened or thought):
+        return prompt + text, False
+    if not opened:
+        prompt += start
+    prompt += thought
+    if not text:
+        return prompt, True
+    return prompt + end + text, False

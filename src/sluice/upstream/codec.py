@@ -86,6 +86,9 @@ def upstream_body(request: GenerationRequest, model: str) -> tuple[str, dict[str
         ):
             if value is not None:
                 body[key] = value
+        if request.continue_final:  # vLLM's, SGLang's and llama-server's names
+            body["continue_final_message"] = True
+            body["add_generation_prompt"] = False
         if request.logprobs is not None:
             body["logprobs"] = True
             if request.logprobs > 0:

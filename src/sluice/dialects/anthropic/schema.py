@@ -206,6 +206,8 @@ class _Fields(_Wire):
             response_format=self.response_format(),
             template_kwargs=self.template_kwargs(),
             reasoning_budget=self.reasoning_budget(),
+            # A final assistant message is the answer's beginning (Anthropic's prefill).
+            continue_final=bool(self.messages) and self.messages[-1].role == "assistant",
             **fields,
         )
 

@@ -176,6 +176,10 @@ class ChatRequest(_Common):
             messages=[_template_message(m, i) for i, m in enumerate(self.messages)],
             tools=self.tools or None,
             tool_choice="auto" if self.tools else None,
+            # Ollama continues a final assistant message (its prefill), calls aside.
+            continue_final=bool(self.messages)
+            and self.messages[-1].role == "assistant"
+            and not self.messages[-1].tool_calls,
         )
 
 

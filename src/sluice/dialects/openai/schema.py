@@ -160,6 +160,9 @@ class ChatCompletionRequest(_SamplingFields):
     # llama-server's per-request reasoning budget (0: none, -1: no limit)
     thinking_budget_tokens: int | None = Field(default=None, ge=-1)
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's, SGLang's and llama-server's: the final assistant message is continued
+    continue_final_message: bool = False
+    add_generation_prompt: bool | None = None
     store: bool | None = None
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
@@ -186,6 +189,18 @@ class ChatCompletionRequest(_SamplingFields):
             raise UnsupportedParameter("modalities", "other than text are not supported")
         if self.prediction is not None:
             raise UnsupportedParameter("prediction", "(predicted outputs) is not supported")
+        if self.continue_final_message:
+            if self.messages[-1].role != "assistant":
+                raise InvalidRequest(
+                    "continue_final_message needs an assistant message last in 'messages' "
+                    "(the answer's beginning, to continue)",
+                    param="continue_final_message",
+                )
+            if self.add_generation_prompt:
+                raise InvalidRequest(
+                    "add_generation_prompt and continue_final_message cannot both be true",
+                    param="add_generation_prompt",
+                )
         return GenerationRequest(
             model=self.model,
             messages=[_template_message(i, m) for i, m in enumerate(self.messages)],
@@ -201,6 +216,7 @@ class ChatCompletionRequest(_SamplingFields):
             stop=self.stop_strings(),
             n=self.n,
             logprobs=self.top_logprobs_n(),
+            continue_final=self.continue_final_message,
         )
 
     def top_logprobs_n(self) -> int | None:
