@@ -171,10 +171,11 @@ def thinker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def test_a_continuation_inside_the_reasoning_or_after_it(thinker: str) -> None:
     client = OpenAI(base_url=f"{thinker}/v1", api_key="x", max_retries=0)
 
-    def go(final: Any) -> Any:
+    def go(final: dict[str, Any]) -> Any:
+        messages: list[Any] = [*QUESTION, {"role": "assistant", **final}]
         return client.chat.completions.create(
             model="thinker",
-            messages=[*QUESTION, {"role": "assistant", **final}],
+            messages=messages,
             max_tokens=40,
             temperature=0,
             extra_body={"continue_final_message": True, "thinking_budget_tokens": 16},
