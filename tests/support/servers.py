@@ -57,10 +57,11 @@ def serve_process(*args: str, env: dict[str, str] | None = None) -> Iterator[str
 
 @contextlib.contextmanager
 def serve_process_handle(
-    *args: str, env: dict[str, str] | None = None
+    *args: str, env: dict[str, str] | None = None, port: int | None = None
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """:func:`serve_process`, also giving the process (to signal it)."""
-    port = free_port()
+    """:func:`serve_process`, also giving the process (to signal it); on ``port``, or a
+    free one."""
+    port = port or free_port()
     cmd = [sys.executable, "-m", "sluice", "serve", "--port", str(port), *args]
     # Output goes to a file, not a pipe nobody drains (a full pipe would block the server).
     log_file = tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below
