@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
+from sluice.upstream.backend import Passthrough
 from sluice.upstream.sse import SSEDecoder
 from tests.support.fakes import ScriptedRunner
 from tests.support.helpers import CHAT, parse_sse, scripted_server
@@ -385,6 +386,60 @@ class Upstream:
         self._stream_head(sock)
         for event in ANTHROPIC_EVENTS[:3]:
             self._chunk(sock, anthropic_event(event))
+        sock.shutdown(socket.SHUT_RDWR)
+        return False
+
+    def _anthropic_resumable(self, sock: socket.socket, body: dict[str, Any]) -> bool:
+        """A first Messages stream dropped after "Hel", "lo " (its text block open); a
+        continuation's (a prefilled assistant message last) answered with " world"
+        under its own id and usage."""
+        self._stream_head(sock)
+        if body["messages"][-1]["role"] != "assistant":
+            delta = {"type": "text_delta", "text": "lo "}
+            for event in [
+                *ANTHROPIC_EVENTS[:3],
+                {"type": "content_block_delta", "index": 0, "delta": delta},
+            ]:
+                self._chunk(sock, anthropic_event(event))
+            time.sleep(0.05)
+            sock.shutdown(socket.SHUT_RDWR)
+            return False
+        start = json.loads(json.dumps(ANTHROPIC_EVENTS[0]))
+        start["message"] |= {"id": "msg_other", "usage": {"input_tokens": 7, "output_tokens": 0}}
+        for event in [
+            start,
+            {"type": "ping"},
+            ANTHROPIC_EVENTS[1],
+            {
+                "type": "content_block_delta",
+                "index": 0,
+                "delta": {"type": "text_delta", "text": " world"},
+            },
+            ANTHROPIC_EVENTS[4],
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+                "usage": {"input_tokens": 7, "output_tokens": 1},
+            },
+            ANTHROPIC_EVENTS[-1],
+        ]:
+            self._chunk(sock, anthropic_event(event))
+        sock.sendall(b"0\r\n\r\n")
+        return True
+
+    def _anthropic_tool_drop(self, sock: socket.socket, body: dict[str, Any]) -> bool:
+        """A Messages stream dropped once a tool call began."""
+        self._stream_head(sock)
+        tool = {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}
+        args = {"type": "input_json_delta", "partial_json": '{"a": '}
+        for event in [
+            *ANTHROPIC_EVENTS[:3],
+            ANTHROPIC_EVENTS[4],
+            {"type": "content_block_start", "index": 1, "content_block": tool},
+            {"type": "content_block_delta", "index": 1, "delta": args},
+        ]:
+            self._chunk(sock, anthropic_event(event))
+        time.sleep(0.05)
         sock.shutdown(socket.SHUT_RDWR)
         return False
 
@@ -1009,3 +1064,61 @@ def test_no_continuation_without_another_replica_or_with_failover_off() -> None:
                 events = parse_sse(r.content)
                 assert events[-1].event == "error", events[-1]
         assert not any(p["body"].get("continue_final_message") for u in ups for p in u.posts)
+
+
+@pytest.mark.parametrize("relay", [True, False])
+def test_a_native_messages_stream_dropped_mid_answer_is_continued(
+    relay: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import anthropic
+
+    if not relay:  # the task's stream (Passthrough.stream), as a server but uvicorn gets
+        monkeypatch.setattr(Passthrough, "relayable", property(lambda self: False))
+    with (
+        upstreams("anthropic_resumable", "anthropic_resumable") as ups,
+        gateway([u.url for u in ups], native_apis=["anthropic"], health_interval=60) as base,
+    ):
+        claude = anthropic.Anthropic(base_url=base, api_key="x", max_retries=0)
+        with claude.messages.stream(
+            model="m1", max_tokens=50, messages=[{"role": "user", "content": "hi"}]
+        ) as stream:
+            events = list(stream)
+            final = stream.get_final_message()
+        slot = httpx.get(f"{base}/v1/info").json()["slots"]["up"]
+    text = "".join(e.delta.text for e in events if e.type == "content_block_delta")  # type: ignore[union-attr]
+    assert text == "Hello world"
+    assert [b.text for b in final.content if b.type == "text"] == ["Hello world"]
+    assert final.id == "msg_up" and final.stop_reason == "end_turn"
+    assert [e.type for e in events].count("message_stop") == 1
+    assert [e.type for e in events].count("message_start") == 1
+    # The continuation's prompt held the two tokens already sent: they are output.
+    assert (final.usage.input_tokens, final.usage.output_tokens) == (5, 3)
+    first, second = sorted(ups, key=lambda u: len(u.posts[-1]["body"]["messages"]))
+    assert len(first.posts) == len(second.posts) == 1
+    asked = second.posts[0]["body"]
+    assert asked["messages"] == [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Hello"},
+    ]
+    assert asked["max_tokens"] == 48 and second.posts[0]["path"] == "/v1/messages"
+    assert "continue_final_message" not in asked  # Anthropic's own prefill, nothing else
+    # The tap read the spliced events: 5 in, 3 out, no error.
+    assert (slot["tokens_in"], slot["tokens_out"], slot["errors"]) == (5, 3, 0)
+
+
+def test_a_native_messages_stream_with_a_tool_call_or_failover_off_is_not_continued() -> None:
+    cases = (("anthropic_tool_drop", {}), ("anthropic_resumable", {"failover": False}))
+    for behaviour, slot in cases:
+        with (
+            upstreams(behaviour, behaviour) as ups,
+            gateway(
+                [u.url for u in ups], native_apis=["anthropic"], health_interval=60, **slot
+            ) as base,
+        ):
+            body = MESSAGES | {"stream": True}
+            r = httpx.post(f"{base}/v1/messages", json=body, timeout=10)
+        name, error = anthropic_events(r.content)[-1]
+        assert name == "error" and error["error"]["type"] == "api_error", behaviour
+        posts = [p for u in ups for p in u.posts]
+        assert len(posts) == 1, behaviour
+        assert posts[0]["body"]["messages"][-1]["role"] == "user"

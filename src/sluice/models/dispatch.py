@@ -260,8 +260,9 @@ class Dispatcher:
         and ``session`` the request's headers, which name the conversation
         (``upstream.affinity.affinity_key``); with ``key_ids`` (Responses) the answer's
         id names it too, and a ``previous_response_id`` goes where that id was answered.
-        ``resume``: ``conversation`` is an OpenAI chat or completions stream whose answer
-        another replica may continue if this one drops it (mid-stream failover).
+        ``resume``: ``conversation`` is an OpenAI chat or completions stream, or an
+        Anthropic Messages one, whose answer another replica may continue if this one
+        drops it (mid-stream failover).
         """
         await self.admit(target)
         slot = target.slot.name

@@ -53,7 +53,14 @@ from sluice.upstream.codec import (
 )
 from sluice.upstream.config import UpstreamSpec
 from sluice.upstream.pool import UpstreamPool, UpstreamResponse
-from sluice.upstream.resume import Partial, continuation, heal, role_only, spliced_usage
+from sluice.upstream.resume import (
+    Continuation,
+    Partial,
+    Resumable,
+    heal,
+    partial_for,
+    spliced_usage,
+)
 from sluice.upstream.sse import SSEDecoder
 
 log = logging.getLogger("sluice.router")
@@ -146,7 +153,7 @@ class UpstreamModel:
         meta = stream_meta(request, self.name, slot=self.slot.name, replica=response.replica)
         resume = None
         if self.slot.spec.failover and pool.size > 1:
-            resume = Resume(pool, path, body, {"accept": "text/event-stream"}, key, request.is_chat)
+            resume = Resume(pool, path, body, {"accept": "text/event-stream"}, key)
         return UpstreamStream(meta, response, ChunkDecoder(chat=request.is_chat), resume)
 
     async def count_prompt_tokens(self, request: GenerationRequest) -> int:
@@ -225,15 +232,15 @@ class UpstreamModel:
         ``key`` names the conversation for the replicas' cache affinity; with
         ``key_ids`` the answer's id names it too (``"r:<id>"``: a Responses
         ``previous_response_id`` then finds the replica that stored it). ``resume``:
-        the body of an OpenAI chat or completions stream (``path``), whose answer is
-        then continued by another replica if this one drops it (``failover``)."""
+        the body of an OpenAI chat or completions stream or of an Anthropic Messages
+        stream (``path``), whose answer is then continued by another replica if this
+        one drops it (``failover``, ``resume.py``)."""
         pool = self.slot.pool
         meter = self.slot.metrics.request()
         meter.model = self.name  # usage is by the upstream's name for the model
         answer = Passthrough(tap(meter), self.slot.name, self.name)
         if resume is not None and self.slot.spec.failover and pool.size > 1:
-            chat = path == "/chat/completions"
-            answer.resume = Resume(pool, path, resume, headers, key, chat)
+            answer.resume = Resume(pool, path, resume, headers, key)
         if key is not None and key_ids and pool.keyed:
             answer.on_id = lambda response_id: pool.affinity.alias("r:" + response_id, key)
         if on_start is not None:
@@ -274,7 +281,7 @@ class UpstreamStream:
         return self._events()
 
     async def _events(self) -> AsyncIterator[Event]:
-        partial = Partial() if self._resume is not None else None
+        partial = None if self._resume is None else Partial(chat=self._resume.chat)
         tried = {self._response.replica}
         while True:
             failure: UpstreamFailed | None = None
@@ -296,7 +303,8 @@ class UpstreamStream:
             if found is None:
                 yield ErrorEvent(failure)
                 return
-            self._response, self._skip = found
+            self._response, ask = found
+            self._skip = ask.skip
             self._sent = partial.tokens
 
     async def _decoded(self, resumable: bool) -> AsyncGenerator[Event | _Dropped, None]:
@@ -355,13 +363,13 @@ class UpstreamStream:
 
 
 async def _continuing(
-    resume: Resume, partial: Partial, failure: UpstreamFailed, tried: set[str]
-) -> tuple[UpstreamResponse, str] | None:
+    resume: Resume, partial: Resumable, failure: UpstreamFailed, tried: set[str]
+) -> tuple[UpstreamResponse, Continuation] | None:
     """Another replica's stream continuing ``partial`` (one not in ``tried``, then added
-    to it), and the whitespace to drop from its first text (``resume.heal``); None when
-    the answer cannot be continued or no replica answers 200."""
+    to it), and what asked for it (``resume.Continuation``); None when the answer cannot
+    be continued or no replica answers 200."""
     while len(tried) < resume.pool.size:
-        ask = continuation(resume.body, chat=resume.chat, partial=partial)
+        ask = partial.continuation(resume.body)
         if ask is None:
             return None
         raw = orjson.dumps(ask.body)
@@ -380,7 +388,7 @@ async def _continuing(
                 failure.message,
                 response.replica,
             )
-            return response, ask.skip
+            return response, ask
         await response.aclose()
     return None
 
@@ -400,14 +408,18 @@ def _malformed(data: str) -> UpstreamMalformed:
 @dataclass(frozen=True, slots=True)
 class Resume:
     """What a passthrough needs to have its answer continued by another replica: the
-    request as it went up (an OpenAI chat or completions streaming body) and where."""
+    request as it went up (an OpenAI chat or completions streaming body, or an
+    Anthropic Messages one: ``path`` says) and where."""
 
     pool: UpstreamPool
     path: str
     body: Mapping[str, Any]
     headers: Mapping[str, str] | None
     key: str | None
-    chat: bool
+
+    @property
+    def chat(self) -> bool:
+        return self.path == "/chat/completions"
 
 
 @dataclass(slots=True)
@@ -433,7 +445,6 @@ class Passthrough:
     on_id: Callable[[str], None] | None = None  # hears the answer's id (the tap's)
     flight: Any = None  # its entry among the requests in flight
     resume: Resume | None = None  # set: a dropped stream is continued elsewhere
-    _first: dict[str, Any] | None = field(default=None, init=False)  # its first chunk
     _done: bool = field(default=False, init=False)
     _interrupt: Interrupt = field(default_factory=Interrupt, init=False)
     _relay: Relay | None = field(default=None, init=False)
@@ -548,7 +559,7 @@ class Passthrough:
         sse = SSEDecoder()
         tap = self.tap
         finished = False  # [DONE] or a finish_reason seen: a clean end is then complete
-        partial = Partial() if self.resume is not None else None
+        partial = None if self.resume is None else partial_for(self.resume.path)
         try:
             try:
                 while chunk := await self._read():
@@ -566,8 +577,6 @@ class Passthrough:
                             finished = tap.event(parsed) or finished
                             if partial is not None:
                                 partial.add_chunk(parsed)
-                                if self._first is None:
-                                    self._first = parsed
                         out.append(message.raw)
                     if out:
                         yield out[0] if len(out) == 1 else b"".join(out)
@@ -583,23 +592,22 @@ class Passthrough:
             raise
         self._finish(error=False)
 
-    async def _continued(self, failure: UpstreamFailed, partial: Partial) -> AsyncIterator[bytes]:
-        """The rest of a dropped answer from other replicas, spliced on as one stream:
-        their chunks renamed to the first answer's id, ``created`` and ``model``, their
-        role-only opening dropped, their usage the whole answer's. Raises ``failure``
-        when no replica can continue it."""
+    async def _continued(self, failure: UpstreamFailed, partial: Resumable) -> AsyncIterator[bytes]:
+        """The rest of a dropped answer from other replicas, spliced on as one stream by
+        the dialect's splice (``resume.py``: an OpenAI chunk renamed to the first
+        answer's id, an Anthropic event renumbered to its blocks; usage the whole
+        answer's), tapped and re-encoded. Raises ``failure`` when no replica can
+        continue it."""
         resume = self.resume
         assert resume is not None
         tried = {self.response.replica}
-        first = self._first or {}
-        names: dict[str, Any] = {k: first[k] for k in ("id", "created", "model") if k in first}
         while True:
             ask = functools.partial(_continuing, resume, partial, failure, tried)
             found = await self._interrupt.wait(ask)
             if found is None:
                 break
-            self._response, skip = found
-            sent = partial.tokens
+            self._response, asked = found
+            splice = partial.splice(asked)
             sse = SSEDecoder()
             finished = False
             try:
@@ -616,19 +624,9 @@ class Passthrough:
                         parsed = _json_object(data)
                         if parsed is None:
                             raise _malformed(data)
-                        if resume.chat and role_only(parsed):
-                            continue
-                        if skip:
-                            keep, skip = _heal_chunk(parsed, skip)
-                            if not keep:
-                                continue
-                        parsed.update(names)
-                        usage = parsed.get("usage")
-                        if isinstance(usage, dict):
-                            parsed["usage"] = spliced_usage(usage, sent)
-                        finished = self.tap.event(parsed) or finished
-                        partial.add_chunk(parsed)
-                        out.append(b"data: " + orjson.dumps(parsed) + b"\n\n")
+                        for event in splice.events(parsed):
+                            finished = self.tap.event(event) or finished
+                            out.append(splice.encode(event))
                     if out:
                         yield b"".join(out)
                 if not sse.pending() and finished:
@@ -694,9 +692,10 @@ class Relay:
         self._answer = answer
         self._write = write
         self._sse = SSEDecoder()
-        self._finished = False  # [DONE] or a finish_reason seen
+        self._finished = False  # the answer's end seen ([DONE], a finish, message_stop)
         # With failover: what was sent, for another replica to continue from.
-        self._partial = Partial() if answer.resume is not None else None
+        resume = answer.resume
+        self._partial = None if resume is None else partial_for(resume.path)
         self.done: asyncio.Future[SluiceError | None] = asyncio.get_running_loop().create_future()
         # The stream dropped before its end, and another replica may continue it
         # (:meth:`continued`): ``done`` then holds the failure.
@@ -742,11 +741,8 @@ class Relay:
             if parsed is None:
                 return False
             self._finished = self._answer.tap.event(parsed) or self._finished
-            partial = self._partial
-            if partial is not None:
-                partial.add_chunk(parsed)
-                if self._answer._first is None:
-                    self._answer._first = parsed
+            if self._partial is not None:
+                self._partial.add_chunk(parsed)
         return True
 
     def _end_malformed(self, before: bytes, text: bytes) -> None:
@@ -834,26 +830,6 @@ class ArraySplitter:
                 elif self.depth == 0:
                     self.closed = True
         return out
-
-
-def _heal_chunk(chunk: dict[str, Any], skip: str) -> tuple[bool, str]:
-    """A continuation's chunk without the whitespace it repeats (``resume.heal``): whether
-    it still says anything, and what is left to skip."""
-    choices = chunk.get("choices")
-    choice = choices[0] if isinstance(choices, list) and choices else None
-    if not isinstance(choice, dict):
-        return True, skip
-    delta = choice.get("delta")
-    holder, field_name = (delta, "content") if isinstance(delta, dict) else (choice, "text")
-    text = holder.get(field_name)
-    if not isinstance(text, str) or not text:
-        return True, skip  # no text in it (yet): skip the next text
-    healed, skip = heal(text, skip)
-    holder[field_name] = healed
-    empty = not healed and not choice.get("finish_reason") and not chunk.get("usage")
-    if empty and isinstance(delta, dict):
-        empty = not any(v for k, v in delta.items() if k not in ("content", "role"))
-    return not empty, skip
 
 
 def _json_value(data: str | bytes) -> Any:

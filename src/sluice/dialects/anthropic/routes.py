@@ -138,7 +138,8 @@ async def count_tokens(request: Request) -> Response:
 async def _passthrough(
     request: Request, target: UpstreamTarget, data: dict[str, Any], path: str
 ) -> Response:
-    """A Messages request to an upstream that speaks Messages: its bytes, unchanged."""
+    """A Messages request to an upstream that speaks Messages: its bytes, unchanged (a
+    stream the upstream drops mid-answer is continued by another replica: failover)."""
     state = server_state(request)
     data["model"] = target.model
     raw = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
@@ -151,6 +152,8 @@ async def _passthrough(
         tap=AnthropicEventTap,
         conversation=data,
         session=request.headers,
+        # A stream another replica may continue if this one drops it (failover).
+        resume=path == "/messages" and data.get("stream") is True,
     )
     return await forward(
         request, state.settings, answer, failure_frame=error_frame, render_error=error_response
