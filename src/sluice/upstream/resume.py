@@ -9,7 +9,7 @@ which were the first answer's).
 
 * OpenAI chat (:class:`Partial`): the same request with the partial answer as the
   assistant's final message to continue (``continue_final_message`` and
-  ``add_generation_prompt: false``, which vLLM, SGLang and llama.cpp's server read;
+  ``add_generation_prompt: false``, which vLLM, SGLang, llama.cpp's server and sluice read;
   llama-server also continues a final assistant message by itself); ``/v1/completions``:
   the prompt followed by the text so far. Spliced by :class:`OpenAISplice`.
 * Anthropic Messages (:class:`MessagesPartial`): the same request with the text so far
