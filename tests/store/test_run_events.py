@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
+import psycopg
+import pytest
+
+from sluice.dialects.responses import shared
 from sluice.store import PostgresStore, StoredResponse
 
 
@@ -102,3 +107,95 @@ async def test_the_heartbeat_never_fails_its_own_running_responses(postgres_url:
         await asyncio.sleep(0.4)  # several heartbeats
         stored = await store.get_response("resp_1", owner="alice")
         assert stored is not None and stored.body["status"] == "in_progress"
+
+
+async def until(check: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "not in time"
+        await asyncio.sleep(0.01)
+
+
+async def test_another_instance_hears_of_events_and_cancels_at_once(postgres_url: str) -> None:
+    """Word goes out at the commit of add_events and request_cancel (NOTIFY), to the
+    watches of that response and the cancel callbacks of every instance."""
+    async with (
+        await PostgresStore.open(postgres_url) as running,
+        await PostgresStore.open(postgres_url) as other,
+    ):
+        heard: list[str] = []
+        running.on_cancel(heard.append)
+        await running.put_response(response("resp_1", "in_progress"))
+        with other.watch("resp_1") as watch, other.watch("resp_2") as elsewhere:
+            await until(lambda: watch.live)
+            watch.clear()
+            elsewhere.clear()  # (both woken as the listener began: word may be lost)
+            started = time.monotonic()
+            await running.add_events([("resp_1", 0, frame("response.created", 0))])
+            assert await watch.wait(5.0)
+            took = time.monotonic() - started
+            assert took < 1.0, took
+            assert not await elsewhere.wait(0.2)  # word of another response only
+
+            assert await other.request_cancel("resp_1", owner="alice")
+            await until(lambda: heard == ["resp_1"], timeout=1.0)
+            assert not await other.request_cancel("resp_9", owner="alice")  # none: no word
+            await asyncio.sleep(0.2)
+            assert heard == ["resp_1"]
+        # A watch left is forgotten: word no longer reaches it.
+        assert not other._listener._watches
+
+
+async def test_a_listener_whose_connection_died_listens_again(postgres_url: str) -> None:
+    async with (
+        await PostgresStore.open(postgres_url) as running,
+        await PostgresStore.open(postgres_url) as other,
+    ):
+        with other.watch("resp_1") as watch:
+            await until(lambda: watch.live)
+            # The server ends the listener's session (what a restart or failover does).
+            with psycopg.connect(postgres_url, autocommit=True) as conn:
+                conn.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                    " WHERE query LIKE 'LISTEN%' AND pid <> pg_backend_pid()"
+                )
+            await until(lambda: not watch.live)
+            # Back: it wakes its watches at once (word may have been lost), then hears.
+            await until(lambda: watch.live)
+            assert await watch.wait(1.0)
+            watch.clear()
+            await running.add_events([("resp_1", 0, frame("response.created", 0))])
+            assert await watch.wait(5.0)
+
+
+async def test_a_follower_elsewhere_reads_events_as_they_are_stored(
+    postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """follow_stored waits for word, not for its poll: with the poll slowed to 30 s,
+    each event still comes within a second, and the stream ends with the run's last
+    event, before its response is stored as ended."""
+    monkeypatch.setattr(shared, "POLL_QUIET", 30.0)
+    async with (
+        await PostgresStore.open(postgres_url) as running,
+        await PostgresStore.open(postgres_url) as other,
+    ):
+        await running.put_response(response("resp_1", "in_progress"))
+        await until(lambda: other._listener.live)
+        got: list[tuple[float, bytes]] = []
+
+        async def follow() -> None:
+            async for item in shared.follow_stored(other, "resp_1", "alice", -1):
+                got.append((time.monotonic(), item))
+
+        task = asyncio.ensure_future(follow())
+        kinds = ["response.created", "response.output_text.delta", "response.completed"]
+        lags: list[float] = []
+        for seq, kind in enumerate(kinds):
+            await asyncio.sleep(0.3)
+            sent = time.monotonic()
+            await running.add_events([("resp_1", seq, frame(kind, seq))])
+            await until(lambda seq=seq: len(got) > seq, timeout=5.0)
+            lags.append(got[seq][0] - sent)
+        await asyncio.wait_for(task, 5.0)  # ended by the terminal event
+        assert [item for _, item in got] == [frame(k, i) for i, k in enumerate(kinds)]
+        assert max(lags) < 1.0, lags

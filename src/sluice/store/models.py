@@ -15,9 +15,12 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 from sluice.core.errors import InternalError, InvalidRequest, NotFound, ShuttingDown
 
@@ -143,6 +146,51 @@ class StoredEvents:
     unfinished: bool
     frames: list[tuple[int, bytes]]
     last: tuple[int, bytes] | None
+
+
+class EventWatch:
+    """Word that another instance stored new events of one response: set by the store's
+    listener, waited on by whoever follows that response through this instance.
+
+    Clear it *before* reading the events, so word that comes during the read is not
+    lost; then wait. ``live``: the store hears such word at all at the moment (else
+    the follower must look on its own, more often).
+
+    Example::
+
+        with store.watch("resp_1") as watch:
+            watch.clear()
+            got = await store.events_after("resp_1", owner="", after=-1)
+            await watch.wait(1.0 if watch.live else 0.15)
+    """
+
+    def __init__(self, live: Callable[[], bool], close: Callable[[EventWatch], None]) -> None:
+        self._event = asyncio.Event()
+        self._live = live
+        self._close = close
+
+    @property
+    def live(self) -> bool:
+        return self._live()
+
+    def notify(self) -> None:
+        self._event.set()
+
+    def clear(self) -> None:
+        self._event.clear()
+
+    async def wait(self, timeout: float) -> bool:
+        """Until word comes (True) or ``timeout`` seconds pass (False)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._event.wait(), timeout)
+            return True
+        return False
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._close(self)
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,8 +38,12 @@ Background responses (:class:`~sluice.store.repository.RunEvents`): the instance
 running one stores its events (``response_events``, written in batches by the
 caller), so another can resume its stream from the database; a cancel asked
 through another instance is a flag on the response (``cancel_requested``) the
-running instance polls for. Events go when the run's grace ends, with their
-response, or (an instance that died left them) an hour old at a heartbeat.
+running instance polls for. Both are also announced (``NOTIFY``, delivered at the
+write's commit) to every instance's listener, a connection of its own that
+``LISTEN``s: a follower reads new events as soon as they are stored and a cancel
+reaches its run at once; the polls stay, slower, for word lost while a listener
+reconnects. Events go when the run's grace ends, with their response, or (an
+instance that died left them) an hour old at a heartbeat.
 
 Example::
 
@@ -97,6 +101,7 @@ from sluice.store.common import (
 from sluice.store.models import (
     Conversation,
     DuplicateMessageId,
+    EventWatch,
     Message,
     NewMessage,
     StoreClosed,
@@ -261,6 +266,90 @@ def _sent(send: Send[T]) -> Work[T]:
     return work
 
 
+EVENTS_CHANNEL = "sluice_events"  # payload: a response id whose new events are stored
+CANCEL_CHANNEL = "sluice_cancel"  # payload: a response id whose cancel was requested
+_LISTEN_RETRY_MAX = 30.0  # s between a lost listener's attempts, at most
+
+
+class _Listener:
+    """This instance's ``LISTEN`` connection: word of other instances' events and
+    cancels, handed to the watches and callbacks waiting for it. Reconnects with a
+    backoff when its connection is lost (the watches then say they are not ``live``,
+    and whoever waits looks on its own)."""
+
+    def __init__(self, connect: Callable[[], Awaitable[Conn]]) -> None:
+        self._connect = connect
+        self._watches: dict[str, set[EventWatch]] = {}
+        self._cancels: list[Callable[[str], None]] = []
+        self._task: asyncio.Task[None] | None = None
+        self.live = False
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(
+            self._listen(), name="sluice-store-listener"
+        )
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def watch(self, response_id: str) -> EventWatch:
+        watch = EventWatch(lambda: self.live, functools.partial(self._forget, response_id))
+        self._watches.setdefault(response_id, set()).add(watch)
+        return watch
+
+    def _forget(self, response_id: str, watch: EventWatch) -> None:
+        watches = self._watches.get(response_id)
+        if watches is not None:
+            watches.discard(watch)
+            if not watches:
+                del self._watches[response_id]
+
+    def on_cancel(self, callback: Callable[[str], None]) -> None:
+        self._cancels.append(callback)
+
+    async def _listen(self) -> None:
+        delay = 0.5
+        while True:
+            try:
+                conn = await self._connect()
+                async with conn:
+                    await conn.execute(f"LISTEN {EVENTS_CHANNEL}")
+                    await conn.execute(f"LISTEN {CANCEL_CHANNEL}")
+                    self.live = True
+                    delay = 0.5
+                    self._wake_all()  # word may have been lost while not listening
+                    async for notice in conn.notifies():
+                        self._heard(notice.channel, notice.payload)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - lost: listen again after a pause
+                if self.live:
+                    log.warning("the store's listener lost its connection: %s", exc)
+            finally:
+                self.live = False
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, _LISTEN_RETRY_MAX)
+
+    def _heard(self, channel: str, payload: str) -> None:
+        if channel == EVENTS_CHANNEL:
+            for watch in self._watches.get(payload, ()):
+                watch.notify()
+        elif channel == CANCEL_CHANNEL:
+            for callback in list(self._cancels):
+                try:
+                    callback(payload)
+                except Exception:  # a callback's bug must not end the listening
+                    log.exception("a cancel callback failed for %s", payload)
+
+    def _wake_all(self) -> None:
+        for watches in self._watches.values():
+            for watch in watches:
+                watch.notify()
+
+
 class PostgresStore:
     """:class:`~sluice.store.repository.ConversationStore` on a PostgreSQL database.
 
@@ -293,6 +382,7 @@ class PostgresStore:
         self._unfinished_error: dict[str, Any] | None = None
         self._committing = False  # the writer's batch is past its last write: COMMIT
         self._paths: dict[str, list[asyncio.Future[list[Message]]]] | None = None  # to read
+        self._listener = _Listener(self._connect)
 
     @classmethod
     async def open(
@@ -342,6 +432,7 @@ class PostgresStore:
             loop.create_task(store._write_loop(), name="sluice-store-writer"),
             loop.create_task(store._heartbeat_loop(), name="sluice-store-heartbeat"),
         ]
+        store._listener.start()
         log.info("conversation store %s opened as instance %s", store.location, instance)
         return store
 
@@ -600,6 +691,11 @@ class PostgresStore:
                     " ON CONFLICT DO NOTHING",
                     rows,
                 )
+                # Delivered at the commit: the followers read what this wrote.
+                await cursor.execute(
+                    f"SELECT pg_notify('{EVENTS_CHANNEL}', id) FROM unnest(%s::text[]) AS id",
+                    (sorted({row[0] for row in rows}),),
+                )
 
         await self._aside(work, writes=True)
 
@@ -643,13 +739,20 @@ class PostgresStore:
     async def request_cancel(self, response_id: str, *, owner: str) -> bool:
         async def work(conn: Conn) -> bool:
             cursor = await conn.execute(
-                "UPDATE responses SET cancel_requested = true"
-                " WHERE id = %s AND owner = %s AND unfinished",
+                "WITH asked AS (UPDATE responses SET cancel_requested = true"
+                " WHERE id = %s AND owner = %s AND unfinished RETURNING id)"
+                f" SELECT pg_notify('{CANCEL_CHANNEL}', id) FROM asked",
                 (response_id, owner),
             )
             return cursor.rowcount > 0
 
         return await self._aside(work, writes=True)
+
+    def watch(self, response_id: str) -> EventWatch:
+        return self._listener.watch(response_id)
+
+    def on_cancel(self, callback: Callable[[str], None]) -> None:
+        self._listener.on_cancel(callback)
 
     async def cancels_requested(self, response_ids: Sequence[str]) -> list[str]:
         if not response_ids:
@@ -1055,6 +1158,7 @@ class PostgresStore:
         writer, heartbeat = self._tasks
         self._queue.put_nowait(_Op(None, stopped))
         await writer  # every write queued before close is done
+        await self._listener.stop()
         heartbeat.cancel()
         await asyncio.gather(heartbeat, *self._side, return_exceptions=True)
         if self._pool is not None:

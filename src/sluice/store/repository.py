@@ -15,11 +15,12 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from sluice.store.models import (
     Conversation,
+    EventWatch,
     Message,
     NewMessage,
     StoredEvents,
@@ -183,7 +184,7 @@ class RunEvents(Protocol):
 
         await store.add_events([("resp_1", 0, b"event: response.created\n...")])
         got = await store.events_after("resp_1", owner="alice", after=-1)
-        await store.request_cancel("resp_1", owner="alice")  # the runner polls:
+        await store.request_cancel("resp_1", owner="alice")  # the runner hears of it
         await store.cancels_requested(["resp_1"])              # ["resp_1"]
     """
 
@@ -210,4 +211,14 @@ class RunEvents(Protocol):
 
     async def cancels_requested(self, response_ids: Sequence[str]) -> list[str]:
         """Those of ``response_ids`` a cancel was requested for."""
+        ...
+
+    def watch(self, response_id: str) -> EventWatch:
+        """Word of new events of ``response_id`` stored by any instance (a context
+        manager: leaving it stops the word)."""
+        ...
+
+    def on_cancel(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(response_id)`` at once when a cancel of it is requested,
+        through any instance (besides :meth:`cancels_requested`, which is the record)."""
         ...

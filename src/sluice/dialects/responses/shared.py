@@ -13,9 +13,14 @@ reachable through every other instance:
   response stored as ended has all its events stored. They are deleted when the
   run's grace ends.
 * **Following elsewhere** (:func:`follow_stored`): the stored events after
-  ``starting_after``, then the new ones, polled every ``POLL_EVERY`` seconds, until the
-  stored response has ended and every event is read: the bytes the running instance
-  sends its own followers.
+  ``starting_after``, then the new ones as the store announces them (its listener,
+  ``EventWatch``), until the stored response has ended and every event is read: the
+  bytes the running instance sends its own followers. Without word it looks anyway
+  every ``POLL_EVERY`` seconds while the listener is down, every ``POLL_QUIET`` while
+  it is up (word lost in between).
+* **Cancels heard at once**: a cancel asked through another instance is announced too,
+  and the relay cancels its run when it hears of it; the look every ``CANCEL_EVERY``
+  seconds stays, for word lost.
 * **Cancelling elsewhere** (:func:`cancel_elsewhere`): the cancel is recorded in the
   store, then the stored response is read until it says it ended (``WAIT_ENDED`` s).
 
@@ -50,7 +55,8 @@ log = logging.getLogger("sluice.api")
 FLUSH_EVERY = 0.075  # s between the relay's writes of its runs' new frames
 CANCEL_EVERY = 0.25  # s between its looks for cancels asked through other instances
 DRAIN_TIMEOUT = 5.0  # s a run's end waits at most for its frames to be written
-POLL_EVERY = 0.15  # s between a follower's reads of a run generating elsewhere
+POLL_EVERY = 0.15  # s between a follower's reads of a run elsewhere, the store deaf
+POLL_QUIET = 2.0  # s a follower waits for the store's word before it reads anyway
 WAIT_ENDED = 5.0  # s a cancel through another instance waits for the run to end
 
 TERMINAL = {
@@ -136,6 +142,7 @@ class Relay:
         self._task: asyncio.Task[None] | None = None
         self._asked = 0.0  # when it last asked for cancels (monotonic)
         self._pruning: set[asyncio.Task[None]] = set()
+        store.on_cancel(self._cancel_heard)
 
     def attach(self, run: Run) -> None:
         """Mirror ``run``'s frames from now on (attach it before its first publish)."""
@@ -196,10 +203,15 @@ class Relay:
     async def _cancel_asked(self) -> None:
         running = [i for i, e in self._entries.items() if e.run.background and not e.run.done]
         for response_id in await self._store.cancels_requested(running):
-            entry = self._entries.get(response_id)
-            if entry is not None and not entry.run.done:
-                log.info("response %s: cancelled through another instance", response_id)
-                entry.run.cancel()
+            self._cancel_heard(response_id)
+
+    def _cancel_heard(self, response_id: str) -> None:
+        """A cancel of ``response_id`` was asked through another instance: if it runs
+        here, it ends as a local cancel would."""
+        entry = self._entries.get(response_id)
+        if entry is not None and entry.run.background and not entry.run.done:
+            log.info("response %s: cancelled through another instance", response_id)
+            entry.run.cancel()
 
     def _prune(self, response_id: str) -> None:
         async def prune() -> None:
@@ -238,20 +250,24 @@ async def follow_stored(
     """The events after ``starting_after`` of a response another instance generates (or
     generated), as its own followers get them, to its end."""
     after = starting_after
-    while True:
-        got = await events.events_after(response_id, owner=owner, after=after)
-        if got is None:  # deleted meanwhile
-            return
-        for seq, frame in got.frames:
-            yield frame
-            after = seq
-        if not got.unfinished:  # (read before the events: they are all here)
-            if got.last is not None and after >= got.last[0] and _is_terminal(got.last[1]):
+    with events.watch(response_id) as watch:
+        while True:
+            watch.clear()  # before the read: word of what comes during it is kept
+            got = await events.events_after(response_id, owner=owner, after=after)
+            if got is None:  # deleted meanwhile
                 return
-            # Its events are pruned, or its instance died before its end was written.
-            yield terminal_frame(got.body, after + 1)
-            return
-        await asyncio.sleep(POLL_EVERY)
+            for seq, frame in got.frames:
+                yield frame
+                after = seq
+            if got.frames and _is_terminal(got.frames[-1][1]):
+                return  # the run's last event (its response may not read ended yet)
+            if not got.unfinished:  # (read before the events: they are all here)
+                if got.last is not None and after >= got.last[0] and _is_terminal(got.last[1]):
+                    return
+                # Its events are pruned, or its instance died before its end was written.
+                yield terminal_frame(got.body, after + 1)
+                return
+            await watch.wait(POLL_QUIET if watch.live else POLL_EVERY)
 
 
 async def cancel_elsewhere(
