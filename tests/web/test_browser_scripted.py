@@ -234,3 +234,42 @@ def transfer(page: Any, name: str, png: bytes) -> Any:
         " data.items.add(new File([bytes], name, {type: 'image/png'})); return data; }",
         [name, base64.b64encode(png).decode()],
     )
+
+
+def test_a_large_image_is_scaled_down_before_it_is_sent(
+    page: Any, tmp_path: Path, shots: Path
+) -> None:
+    """A 3,000 x 1,500 photo-like PNG (noise: 13 MB, over the server's 8 MiB body limit
+    as it is) goes as a JPEG of 2,048 x 1,024, which fits; a small PNG goes unchanged
+    (the first test checks its bytes)."""
+    import io
+    import os
+
+    from PIL import Image
+    from playwright.sync_api import expect
+
+    bodies: list[dict[str, Any]] = []
+    page.on(
+        "request",
+        lambda r: bodies.append(json.loads(r.post_data)) if r.url.endswith("/c1/chat") else None,
+    )
+    out = io.BytesIO()
+    Image.frombytes("RGB", (3000, 1500), os.urandom(3000 * 1500 * 3)).save(out, format="PNG")
+    (tmp_path / "photo.png").write_bytes(out.getvalue())
+    assert len(out.getvalue()) > 8 * 2**20
+    thumbs = page.locator("#attachments img")
+    page.locator("#attach-input").set_input_files(tmp_path / "photo.png")
+    expect(thumbs).to_have_count(1)
+    expect(thumbs.first).to_have_attribute("title", "photo.png (sent at 2048×1024)")
+    box = page.get_by_role("textbox", name="Message")
+    box.fill("What is this?")
+    box.press("Enter")
+    # The scripted model has no projector: the server read the body (under its limit)
+    # and refused the image as such, not the body as too large.
+    expect(page.get_by_role("alert")).to_contain_text("has no vision projector")
+    page.screenshot(path=shots / "scaled-attachment.png")
+    url = bodies[-1]["message"][1]["image_url"]["url"]
+    assert url.startswith("data:image/jpeg;base64,")
+    sent = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1])))
+    assert (sent.format, sent.size) == ("JPEG", (2048, 1024))
+    assert len(url) < 8 * 2**20

@@ -1,11 +1,17 @@
 // Images attached to the next message: from the Image button's file picker, pasted,
-// or dropped on the composer. Each is read here as a data: URI and shown as a
-// thumbnail with its own remove button; a send takes them as OpenAI content parts
+// or dropped on the composer. Each is read here as a data: URI (a large one scaled
+// down first) and shown as a thumbnail with its own remove button; a send takes them as OpenAI content parts
 // (the server reads the bytes, whatever type the file claims). Nothing leaves the
 // page until the message is sent.
 
 const MAX_IMAGES = 16; // what the server takes in one request
 const MAX_BYTES = 20 * 2 ** 20; // one image (the server's limit too)
+// A larger image is scaled down to this many pixels on its longer side (vision
+// projectors scale every image down to far less) and sent as JPEG, as is a file over
+// SHRINK_BYTES: a phone's photo would otherwise fill most of a request's body limit.
+const MAX_SIDE = 2048;
+const SHRINK_BYTES = 2 * 2 ** 20;
+const JPEG_QUALITY = 0.9;
 
 function readAsDataUrl(file) {
   return new Promise((resolve, reject) => {
@@ -14,6 +20,38 @@ function readAsDataUrl(file) {
     reader.onerror = () => reject(reader.error ?? new Error(`Cannot read ${file.name}.`));
     reader.readAsDataURL(file);
   });
+}
+
+function decoded(url) {
+  const image = new Image();
+  image.src = url;
+  return image.decode().then(() => image);
+}
+
+/** `url` (the data: URI of `file`) as it goes with the message: scaled down and
+ * re-encoded when it is large (see MAX_SIDE), else as it is; `scaled` says to what
+ * size, if it was. An image the browser cannot decode goes as it is (the server
+ * says what it makes of it). */
+async function fitted(file, url) {
+  let image;
+  try {
+    image = await decoded(url);
+  } catch {
+    return { url, scaled: "" };
+  }
+  const [width, height] = [image.naturalWidth, image.naturalHeight];
+  const scale = Math.min(1, MAX_SIDE / Math.max(width, height));
+  if (scale === 1 && file.size <= SHRINK_BYTES) return { url, scaled: "" };
+  const canvas = document.createElement("canvas");
+  canvas.width = Math.max(1, Math.round(width * scale));
+  canvas.height = Math.max(1, Math.round(height * scale));
+  const context = canvas.getContext("2d");
+  context.fillStyle = "#fff"; // JPEG has no transparency: what was clear shows white
+  context.fillRect(0, 0, canvas.width, canvas.height);
+  context.drawImage(image, 0, 0, canvas.width, canvas.height);
+  const jpeg = canvas.toDataURL("image/jpeg", JPEG_QUALITY);
+  if (scale === 1 && jpeg.length >= url.length) return { url, scaled: "" }; // no smaller
+  return { url: jpeg, scaled: `${canvas.width}×${canvas.height}` };
 }
 
 /** The text and images of a message as `message` for /c1/chat: the text alone when
@@ -86,7 +124,8 @@ export class Attachments {
         break;
       } else {
         try {
-          this.images.push({ name: file.name || "pasted image", url: await readAsDataUrl(file) });
+          const { url, scaled } = await fitted(file, await readAsDataUrl(file));
+          this.images.push({ name: file.name || "pasted image", url, scaled });
         } catch (error) {
           refused.push(error.message);
         }
@@ -124,7 +163,7 @@ export class Attachments {
         const img = document.createElement("img");
         img.src = image.url;
         img.alt = image.name;
-        img.title = image.name;
+        img.title = image.scaled ? `${image.name} (sent at ${image.scaled})` : image.name;
         const remove = document.createElement("button");
         remove.type = "button";
         remove.className = "remove";
