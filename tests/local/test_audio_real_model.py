@@ -123,3 +123,28 @@ def test_a_transcription_hears_the_tone(oai: openai.OpenAI, hz: float, word: str
     assert verbose.text == text
     assert verbose.duration == pytest.approx(1.5)
     assert verbose.segments is not None and verbose.segments[0].end == pytest.approx(1.5)
+
+
+@pytest.mark.parametrize(("hz", "word"), TONES)
+def test_gemini_inline_audio_is_heard(base: str, hz: float, word: str) -> None:
+    """Gemini's ``inlineData`` with an ``audio/*`` type (what Gemini CLI sends for an
+    @-mentioned clip) through the official ``google-genai`` SDK: the same prompt as the
+    OpenAI chat's ``input_audio`` part, the same answer."""
+    from google import genai
+    from google.genai import types
+
+    wait_idle(base, within=10)
+    client = genai.Client(
+        api_key="x", http_options=types.HttpOptions(base_url=base, api_version="v1beta")
+    )
+    clip = tone_wav(hz)
+    config = types.GenerateContentConfig(temperature=0, max_output_tokens=8)
+    parts = [ASK, types.Part.from_bytes(data=clip, mime_type="audio/wav")]
+    out = client.models.generate_content(model="smollm2", contents=parts, config=config)
+    assert out.text is not None
+    assert word in out.text.lower() and other(word) not in out.text.lower()
+    oai = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
+    same = ask(oai, clip)
+    assert out.text == same.choices[0].message.content
+    assert out.usage_metadata is not None and same.usage is not None
+    assert out.usage_metadata.prompt_token_count == same.usage.prompt_tokens

@@ -5,7 +5,8 @@
   ``reasoning_content``, ``functionCall`` parts its ``tool_calls`` (arguments as JSON
   text), ``functionResponse`` parts tool messages (matched to their call by ``id``, or
   by name in order where the client sends no ids); ``inlineData`` images become
-  ``image_url`` parts (a local model without a projector: a 400 that says so);
+  ``image_url`` parts (a local model without a projector: a 400 that says so), and
+  ``audio/*`` clips ``input_audio`` parts;
   ``thoughtSignature`` is accepted and ignored;
 * ``tools[].functionDeclarations`` -> function tools: ``parameters`` (the OpenAPI
   subset, ``type: "OBJECT"``, ``nullable``) as JSON Schema, or ``parametersJsonSchema``
@@ -362,7 +363,7 @@ def _turn(where: str, content: Content, calls: _CallIds) -> list[dict[str, Any]]
                 raise InvalidRequest(
                     f"{at}.inlineData needs 'mimeType' and 'data'", param=f"{at}.inlineData"
                 )
-            images.append({"type": "image_url", "image_url": {"url": f"data:{mime};base64,{b64}"}})
+            images.append(_media_part(mime, b64))
             ordered.append(images[-1])
         elif "fileData" in part:
             raise InvalidRequest(
@@ -388,6 +389,20 @@ def _turn(where: str, content: Content, calls: _CallIds) -> list[dict[str, Any]]
     # is what the model sees.
     body: Any = ordered if images else "\n".join(texts)
     return [*results, {"role": "user", "content": body}]
+
+
+# Audio types as OpenAI's input_audio ``format`` names them (the bytes decide in the end).
+_AUDIO_FORMATS = {"x-wav": "wav", "wave": "wav", "vnd.wave": "wav", "mpeg": "mp3"}
+
+
+def _media_part(mime: str, b64: str) -> dict[str, Any]:
+    """An ``inlineData`` part as the neutral (OpenAI) one: an ``audio/*`` clip as an
+    ``input_audio`` part, anything else as an ``image_url`` of its ``data:`` URI."""
+    kind, _, subtype = mime.lower().partition("/")
+    if kind == "audio":
+        fmt = _AUDIO_FORMATS.get(subtype, subtype)
+        return {"type": "input_audio", "input_audio": {"data": b64, "format": fmt}}
+    return {"type": "image_url", "image_url": {"url": f"data:{mime};base64,{b64}"}}
 
 
 def _object(value: Any, where: str) -> dict[str, Any]:
