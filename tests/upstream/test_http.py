@@ -106,6 +106,51 @@ RESPONSES_EVENTS = [
     },
 ]
 
+# A Responses stream cut after two deltas (its replica died).
+_UP_RESPONSE = {
+    "id": "resp_up",
+    "object": "response",
+    "created_at": 1,
+    "status": "in_progress",
+    "model": "m1",
+    "output": [],
+    "usage": None,
+    "store": False,
+    "metadata": {"kept": "yes"},
+}
+_UP_MESSAGE = {"type": "message", "id": "msg_up", "status": "in_progress", "role": "assistant"}
+_UP_PART = {"type": "output_text", "text": "", "annotations": []}
+RESPONSES_DROPPED = [
+    {"type": "response.created", "sequence_number": 0, "response": _UP_RESPONSE},
+    {"type": "response.in_progress", "sequence_number": 1, "response": _UP_RESPONSE},
+    {
+        "type": "response.output_item.added",
+        "sequence_number": 2,
+        "output_index": 0,
+        "item": _UP_MESSAGE | {"content": []},
+    },
+    {
+        "type": "response.content_part.added",
+        "sequence_number": 3,
+        "item_id": "msg_up",
+        "output_index": 0,
+        "content_index": 0,
+        "part": _UP_PART,
+    },
+    *(
+        {
+            "type": "response.output_text.delta",
+            "sequence_number": 4 + i,
+            "item_id": "msg_up",
+            "output_index": 0,
+            "content_index": 0,
+            "delta": delta,
+            "logprobs": [],
+        }
+        for i, delta in enumerate(("Hel", "lo "))
+    ),
+]
+
 # An upstream that speaks Google's Gemini API itself (native_apis = ["gemini"]).
 GEMINI_RECORDS = [
     {
@@ -301,6 +346,32 @@ class Upstream:
         self._chunk(sock, b"data: [DONE]\n\n")
         sock.sendall(b"0\r\n\r\n")
         return True
+
+    def _responses_resumable(self, sock: socket.socket, body: dict[str, Any]) -> bool:
+        """A Responses stream (``native_apis = ["responses"]``) dropped after "Hel",
+        "lo "; its continuation, asked through OpenAI chat, as :meth:`_resumable`'s."""
+        if self.posts[-1]["path"] != "/v1/responses":
+            return self._resumable(sock, body)
+        self._stream_head(sock)
+        for event in RESPONSES_DROPPED:
+            self._chunk(sock, anthropic_event(event))  # the same named-event framing
+        time.sleep(0.05)
+        sock.shutdown(socket.SHUT_RDWR)
+        return False
+
+    def _gemini_resumable(self, sock: socket.socket, body: dict[str, Any]) -> bool:
+        """A Gemini SSE stream (``native_apis = ["gemini"]``) dropped after "Hel",
+        "lo "; its continuation, asked through OpenAI chat, as :meth:`_resumable`'s."""
+        if ":streamGenerateContent" not in self.posts[-1]["path"]:
+            return self._resumable(sock, body)
+        self._stream_head(sock)
+        for text in ("Hel", "lo "):
+            content = {"role": "model", "parts": [{"text": text}]}
+            record = {"candidates": [{"content": content, "index": 0}], "responseId": "gem_up"}
+            self._chunk(sock, gemini_event(record | {"modelVersion": "m1-001"}))
+        time.sleep(0.05)
+        sock.shutdown(socket.SHUT_RDWR)
+        return False
 
     def _stall(self, sock: socket.socket, body: dict[str, Any]) -> bool:
         time.sleep(3)
@@ -1122,3 +1193,121 @@ def test_a_native_messages_stream_with_a_tool_call_or_failover_off_is_not_contin
         posts = [p for u in ups for p in u.posts]
         assert len(posts) == 1, behaviour
         assert posts[0]["body"]["messages"][-1]["role"] == "user"
+
+
+@pytest.mark.parametrize("relay", [True, False])
+def test_a_native_responses_stream_dropped_mid_answer_is_continued_through_chat(
+    relay: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Responses API cannot continue an answer: the rest comes from another
+    replica's OpenAI chat (the request as chat, the text so far to continue), written
+    as the first stream's events: the open item's deltas, its done events, then
+    response.completed with the first response's fields, the whole output and usage."""
+    import openai
+
+    if not relay:
+        monkeypatch.setattr(Passthrough, "relayable", property(lambda self: False))
+    with (
+        upstreams("responses_resumable", "responses_resumable") as ups,
+        gateway([u.url for u in ups], native_apis=["responses"], health_interval=60) as base,
+    ):
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+        events = list(
+            client.responses.create(
+                model="m1", input="hi", instructions="Be brief.", stream=True, max_output_tokens=50
+            )
+        )
+        slot = httpx.get(f"{base}/v1/info").json()["slots"]["up"]
+    kinds = [e.type for e in events]
+    assert kinds == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        *["response.output_text.delta"] * 3,
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert "".join(d.delta for d in deltas) == "Hello world"
+    assert {d.item_id for d in deltas} == {"msg_up"} and {d.output_index for d in deltas} == {0}
+    done = events[-1].response  # type: ignore[union-attr]
+    assert done.id == "resp_up" and done.status == "completed" and done.metadata == {"kept": "yes"}
+    assert done.output_text == "Hello world" and done.output[0].id == "msg_up"
+    assert done.usage is not None
+    # The continuation's prompt held the two tokens already sent: they are output.
+    assert (done.usage.input_tokens, done.usage.output_tokens) == (7, 3)
+    first, second = sorted(ups, key=lambda u: u.posts[-1]["path"])
+    assert [p["path"] for p in second.posts] == ["/v1/responses"]
+    (asked,) = [p for p in first.posts]
+    assert asked["path"] == "/v1/chat/completions"
+    assert asked["body"]["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Hello"},
+    ]
+    assert asked["body"]["continue_final_message"] is True
+    assert asked["body"]["max_tokens"] == 48 and asked["body"]["stream"] is True
+    assert (slot["tokens_in"], slot["tokens_out"], slot["errors"]) == (7, 3, 0)
+
+
+@pytest.mark.parametrize("relay", [True, False])
+def test_a_native_gemini_stream_dropped_mid_answer_is_continued_through_chat(
+    relay: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The google-genai SDK reads one answer: the first stream's records, then the
+    continuation's (asked through OpenAI chat), with the first stream's responseId and
+    modelVersion, one finish, and the whole answer's usage."""
+    from google import genai
+    from google.genai import types
+
+    if not relay:
+        monkeypatch.setattr(Passthrough, "relayable", property(lambda self: False))
+    with (
+        upstreams("gemini_resumable", "gemini_resumable") as ups,
+        gateway([u.url for u in ups], native_apis=["gemini"], health_interval=60) as base,
+    ):
+        client = genai.Client(
+            api_key="x", http_options=types.HttpOptions(base_url=base, api_version="v1beta")
+        )
+        config = types.GenerateContentConfig(max_output_tokens=50, system_instruction="Brief.")
+        records = list(
+            client.models.generate_content_stream(model="m1", contents="hi", config=config)
+        )
+        slot = httpx.get(f"{base}/v1/info").json()["slots"]["up"]
+    assert "".join(r.text or "" for r in records) == "Hello world"
+    assert {r.response_id for r in records} == {"gem_up"}
+    assert {r.model_version for r in records} == {"m1-001"}
+    finishes = [c.finish_reason for r in records for c in r.candidates or [] if c.finish_reason]
+    assert finishes == [types.FinishReason.STOP]
+    usage = records[-1].usage_metadata
+    assert usage is not None
+    assert (usage.prompt_token_count, usage.candidates_token_count) == (7, 3)
+    first, second = sorted(ups, key=lambda u: u.posts[-1]["path"])
+    assert [p["path"] for p in first.posts] == ["/v1/chat/completions"]
+    asked = first.posts[0]["body"]
+    assert asked["messages"] == [
+        {"role": "system", "content": "Brief."},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Hello"},
+    ]
+    assert asked["continue_final_message"] is True and asked["max_tokens"] == 48
+    assert second.posts[0]["path"] == "/v1beta/models/m1:streamGenerateContent?alt=sse"
+    assert (slot["tokens_in"], slot["tokens_out"], slot["errors"]) == (7, 3, 0)
+
+
+def test_a_native_responses_stream_that_names_a_stored_response_is_not_continued() -> None:
+    """The upstream holds a previous_response_id's history, not sluice: nothing to ask
+    another replica with, so the error event ends the stream, as before."""
+    with (
+        upstreams("responses_resumable", "responses_resumable") as ups,
+        gateway([u.url for u in ups], native_apis=["responses"], health_interval=60) as base,
+    ):
+        body = {"model": "m1", "input": "hi", "stream": True, "previous_response_id": "resp_0"}
+        r = httpx.post(f"{base}/v1/responses", json=body, timeout=10)
+    name, error = anthropic_events(r.content)[-1]
+    assert name == "error" and "dropped the stream" in json.dumps(error), error
+    assert [p["path"] for u in ups for p in u.posts] == ["/v1/responses"]

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -41,6 +41,7 @@ from sluice.models.limits import Gate
 from sluice.models.registry import ModelRegistry
 from sluice.upstream.affinity import affinity_key
 from sluice.upstream.backend import Passthrough, UpstreamModel, UpstreamSlot
+from sluice.upstream.resume import Resumable
 
 log = logging.getLogger("sluice.router")
 
@@ -252,6 +253,7 @@ class Dispatcher:
         session: Mapping[str, str] | None = None,
         key_ids: bool = False,
         resume: bool = False,
+        resumable: Callable[[], Resumable] | None = None,
     ) -> Passthrough:
         """``target``'s answer to a body in its own dialect, forwarded unchanged (see
         ``UpstreamModel.passthrough``), in flight until it ends.
@@ -262,7 +264,8 @@ class Dispatcher:
         id names it too, and a ``previous_response_id`` goes where that id was answered.
         ``resume``: ``conversation`` is an OpenAI chat or completions stream, or an
         Anthropic Messages one, whose answer another replica may continue if this one
-        drops it (mid-stream failover).
+        drops it (mid-stream failover); ``resumable``: the partial of another dialect's
+        stream that continues it so (``upstream.resume.ChatContinued``).
         """
         await self.admit(target)
         slot = target.slot.name
@@ -282,7 +285,8 @@ class Dispatcher:
             prefix=prefix,
             key=key,
             key_ids=key_ids,
-            resume=conversation if resume else None,
+            resume=conversation if resume or resumable else None,
+            resumable=resumable,
         )
 
     async def admit(self, target: UpstreamTarget) -> None:

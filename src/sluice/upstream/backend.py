@@ -222,6 +222,7 @@ class UpstreamModel:
         key: str | None = None,
         key_ids: bool = False,
         resume: Mapping[str, Any] | None = None,
+        resumable: Callable[[], Resumable] | None = None,
     ) -> Passthrough:
         """Send a body in the upstream's own dialect (``model`` already the upstream's
         name) and hand back the answer to forward unchanged. Errors before the first
@@ -234,13 +235,14 @@ class UpstreamModel:
         ``previous_response_id`` then finds the replica that stored it). ``resume``:
         the body of an OpenAI chat or completions stream or of an Anthropic Messages
         stream (``path``), whose answer is then continued by another replica if this
-        one drops it (``failover``, ``resume.py``)."""
+        one drops it (``failover``, ``resume.py``); or of another dialect, whose
+        partial ``resumable`` makes (``resume.ChatContinued``)."""
         pool = self.slot.pool
         meter = self.slot.metrics.request()
         meter.model = self.name  # usage is by the upstream's name for the model
         answer = Passthrough(tap(meter), self.slot.name, self.name)
         if resume is not None and self.slot.spec.failover and pool.size > 1:
-            answer.resume = Resume(pool, path, resume, headers, key)
+            answer.resume = Resume(pool, path, resume, headers, key, resumable)
         if key is not None and key_ids and pool.keyed:
             answer.on_id = lambda response_id: pool.affinity.alias("r:" + response_id, key)
         if on_start is not None:
@@ -373,9 +375,10 @@ async def _continuing(
         if ask is None:
             return None
         raw = orjson.dumps(ask.body)
+        path, headers = ask.path or resume.path, ask.headers or resume.headers
         try:
             response = await resume.pool.send(
-                resume.path, raw, resume.headers, key=resume.key, exclude=tried
+                path, raw, headers, prefix=ask.prefix, key=resume.key, exclude=tried
             )
         except (UpstreamFailed, UpstreamUnavailable):
             return None  # no replica left to ask
@@ -409,17 +412,23 @@ def _malformed(data: str) -> UpstreamMalformed:
 class Resume:
     """What a passthrough needs to have its answer continued by another replica: the
     request as it went up (an OpenAI chat or completions streaming body, or an
-    Anthropic Messages one: ``path`` says) and where."""
+    Anthropic Messages one: ``path`` says; or another dialect's, whose partial
+    ``resumable`` makes) and where."""
 
     pool: UpstreamPool
     path: str
     body: Mapping[str, Any]
     headers: Mapping[str, str] | None
     key: str | None
+    resumable: Callable[[], Resumable] | None = None
 
     @property
     def chat(self) -> bool:
         return self.path == "/chat/completions"
+
+    def partial(self) -> Resumable:
+        """A new partial for the answer (fed every event the client gets)."""
+        return self.resumable() if self.resumable is not None else partial_for(self.path)
 
 
 @dataclass(slots=True)
@@ -559,7 +568,7 @@ class Passthrough:
         sse = SSEDecoder()
         tap = self.tap
         finished = False  # [DONE] or a finish_reason seen: a clean end is then complete
-        partial = None if self.resume is None else partial_for(self.resume.path)
+        partial = None if self.resume is None else self.resume.partial()
         try:
             try:
                 while chunk := await self._read():
@@ -617,7 +626,11 @@ class Passthrough:
                         data = message.data
                         if data == "[DONE]":
                             finished = True
-                            out.append(message.raw)
+                            last, trailer = splice.done()
+                            for event in last:
+                                self.tap.event(event)
+                                out.append(splice.encode(event))
+                            out.append(trailer)
                             continue
                         if not data:
                             continue
@@ -695,7 +708,7 @@ class Relay:
         self._finished = False  # the answer's end seen ([DONE], a finish, message_stop)
         # With failover: what was sent, for another replica to continue from.
         resume = answer.resume
-        self._partial = None if resume is None else partial_for(resume.path)
+        self._partial = None if resume is None else resume.partial()
         self.done: asyncio.Future[SluiceError | None] = asyncio.get_running_loop().create_future()
         # The stream dropped before its end, and another replica may continue it
         # (:meth:`continued`): ``done`` then holds the failure.

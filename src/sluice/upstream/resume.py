@@ -16,6 +16,11 @@ which were the first answer's).
   as a final assistant message (Anthropic's prefill, which llama-server's
   ``/v1/messages`` continues too). Spliced by :class:`MessagesSplice`: its events go on
   under the first message's block indexes.
+* A dialect the upstream speaks itself but whose API cannot continue an answer
+  (Responses, Gemini: :class:`ChatContinued`, subclassed in ``dialects/``): through the
+  slot's OpenAI chat, the request in chat form with the text so far to continue; a
+  :class:`ChatSplice` decodes its chunks and the dialect writes them as the rest of the
+  first stream's events.
 
 Where the request already ends with an assistant message (the client's own prefill),
 the text is appended to it: two assistant messages at the end are refused
@@ -38,13 +43,24 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import orjson
 
-from sluice.core.events import Event, ReasoningDelta, TextDelta, ToolCallDelta, ToolCallStart
+from sluice.core.events import (
+    ErrorEvent,
+    Event,
+    Finish,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallDelta,
+    ToolCallStart,
+)
+from sluice.core.frames import Frame
+from sluice.upstream.codec import ChunkDecoder
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +76,11 @@ class Continuation:
     body: dict[str, Any]
     skip: str
     echo: str = ""
+    # Where it goes when not where the first request went: a native dialect's answer
+    # continued through the slot's OpenAI chat (:class:`ChatContinued`).
+    path: str | None = None
+    headers: Mapping[str, str] | None = None
+    prefix: str = "/v1"
 
 
 class Splice(Protocol):
@@ -72,6 +93,11 @@ class Splice(Protocol):
 
     def encode(self, data: dict[str, Any]) -> bytes:
         """One event as the dialect's SSE frame."""
+        ...
+
+    def done(self) -> tuple[list[dict[str, Any]], bytes]:
+        """At the continuation's ``[DONE]``: the events that end the answer, each already
+        added to the partial, and the bytes that end the stream."""
         ...
 
 
@@ -324,6 +350,9 @@ class OpenAISplice:
     def encode(self, data: dict[str, Any]) -> bytes:
         return b"data: " + orjson.dumps(data) + b"\n\n"
 
+    def done(self) -> tuple[list[dict[str, Any]], bytes]:
+        return [], b"data: [DONE]\n\n"
+
 
 def _heal_chunk(chunk: dict[str, Any], skip: str) -> tuple[bool, str]:
     """A continuation's chunk without the whitespace it repeats (:func:`heal`): whether
@@ -485,9 +514,17 @@ class MessagesSplice:
         return text
 
     def encode(self, data: dict[str, Any]) -> bytes:
-        kind = data.get("type")
-        name = b"event: " + kind.encode() + b"\n" if isinstance(kind, str) else b""
-        return name + b"data: " + orjson.dumps(data) + b"\n\n"
+        return named_event(data)
+
+    def done(self) -> tuple[list[dict[str, Any]], bytes]:
+        return [], b""  # (Messages streams send no [DONE])
+
+
+def named_event(data: Mapping[str, Any]) -> bytes:
+    """An event as ``event: <its type>`` and its data (Anthropic's and Responses' SSE)."""
+    kind = data.get("type")
+    name = b"event: " + kind.encode() + b"\n" if isinstance(kind, str) else b""
+    return name + b"data: " + orjson.dumps(data) + b"\n\n"
 
 
 def _text_apart(data: dict[str, Any]) -> list[dict[str, Any]]:
@@ -516,3 +553,104 @@ def messages_usage(usage: Mapping[str, Any], sent: int) -> dict[str, Any]:
     if isinstance(fresh, int) and not isinstance(fresh, bool):
         out["input_tokens"] = fresh - min(sent, fresh)
     return out
+
+
+class ChatContinued:
+    """A stream in a dialect the upstream speaks itself (Responses, Gemini) that neither
+    API can continue: continued through the slot's OpenAI chat instead, as the request
+    in chat form (``to_chat``: its path and body, or None when it has none) with the
+    text so far to continue. A dialect's partial reads its own events into
+    :attr:`partial` (the text, the reasoning, the tokens, whether it can go on), and
+    makes the :class:`ChatSplice` that writes the continuation in its events (its
+    formatter set up as if it had written the first stream)."""
+
+    def __init__(self, to_chat: Callable[[Mapping[str, Any]], tuple[str, dict[str, Any]] | None]):
+        self.partial = Partial(chat=True)
+        self._to_chat = to_chat
+
+    @property
+    def tokens(self) -> int:
+        return self.partial.tokens
+
+    def continuation(self, body: Mapping[str, Any]) -> Continuation | None:
+        if not self.partial.resumable:
+            return None
+        chat = self._to_chat(body)
+        if chat is None:
+            return None
+        path, chat_body = chat
+        ask = continuation(chat_body, chat=True, partial=self.partial)
+        if ask is None:
+            return None
+        accept = {"accept": "text/event-stream"}
+        return dataclasses.replace(ask, path=path, headers=accept, prefix="/v1")
+
+
+class Formatter(Protocol):
+    """A dialect's writer of events (``ResponsesFormatter``, ``GeminiFormatter``)."""
+
+    def frames(self, event: Event) -> list[Frame]: ...
+
+    def error(self, error: BaseException) -> list[Frame]: ...
+
+    def end(self) -> list[Frame]: ...
+
+
+class ChatSplice:
+    """A continuation's OpenAI chat chunks as a native dialect's events: decoded
+    (:class:`~sluice.upstream.codec.ChunkDecoder`), their text healed of the whitespace
+    held back, their usage the whole answer's (the tokens sent before it are output,
+    not prompt), then written by the dialect's ``formatter`` (set up as if it had
+    written the first stream) and framed by ``encode``."""
+
+    def __init__(
+        self,
+        partial: Partial,
+        skip: str,
+        formatter: Formatter,
+        encode: Callable[[dict[str, Any]], bytes],
+    ) -> None:
+        self._decoder = ChunkDecoder(chat=True)
+        self._partial = partial
+        self._sent = partial.tokens
+        self._thought = len(partial.reasoning)  # reasoning tokens sent before it
+        self._skip = skip
+        self._formatter = formatter
+        self.encode = encode
+
+    def events(self, data: dict[str, Any]) -> list[dict[str, Any]]:
+        return self._written(self._decoder.feed(data))
+
+    def done(self) -> tuple[list[dict[str, Any]], bytes]:
+        return self._written(self._decoder.end()) + _data(self._formatter.end()), b""
+
+    def _written(self, events: list[Event]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for event in events:
+            if isinstance(event, TextDelta) and self._skip:
+                text, self._skip = heal(event.text, self._skip)
+                if not text:
+                    continue
+                event = dataclasses.replace(event, text=text)
+            if isinstance(event, Finish) and event.usage is not None:
+                usage = event.usage
+                moved = min(self._sent, usage.prompt_tokens)
+                event = dataclasses.replace(
+                    event,
+                    usage=dataclasses.replace(
+                        usage,
+                        prompt_tokens=usage.prompt_tokens - moved,
+                        completion_tokens=usage.completion_tokens + moved,
+                        reasoning_tokens=usage.reasoning_tokens + self._thought,
+                    ),
+                )
+            self._partial.add_event(event)
+            if isinstance(event, ErrorEvent):
+                out += _data(self._formatter.error(event.error))
+            else:
+                out += _data(self._formatter.frames(event))
+        return out
+
+
+def _data(frames: list[Frame]) -> list[dict[str, Any]]:
+    return [f.data for f in frames if isinstance(f.data, dict)]

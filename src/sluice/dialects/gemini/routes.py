@@ -33,6 +33,7 @@ from starlette.responses import Response
 from sluice.core.errors import InvalidRequest, ModelNotFound, NotFound, as_sluice_error
 from sluice.core.events import ErrorEvent
 from sluice.dialects.gemini.format import GeminiFormatter, error_body, error_frame, error_response
+from sluice.dialects.gemini.resume import GeminiPartial
 from sluice.dialects.gemini.schema import CountTokensRequest, GenerateContentRequest, parse
 from sluice.metrics import GeminiRecordTap
 from sluice.models.dispatch import UpstreamTarget
@@ -168,6 +169,7 @@ async def _passthrough(
     headers = {"accept": request.headers.get("accept") or "*/*"}
     if key:
         headers["x-goog-api-key"] = key
+    sse = request.query_params.get("alt") == "sse"
     answer = await state.dispatcher.passthrough(
         target,
         path,
@@ -177,8 +179,9 @@ async def _passthrough(
         prefix=PREFIX,
         conversation={**data, "model": target.model} if isinstance(data, dict) else None,
         session=request.headers,
+        # A stream dropped mid-answer: continued through the slot's chat (SSE only).
+        resumable=GeminiPartial if method == "streamGenerateContent" and sse else None,
     )
-    sse = request.query_params.get("alt") == "sse"
     return await forward(
         request,
         state.settings,

@@ -61,6 +61,7 @@ from sluice.dialects.responses.format import (
     error_response,
     new_id,
 )
+from sluice.dialects.responses.resume import ResponsesPartial
 from sluice.dialects.responses.schema import ResponsesRequest, parse
 from sluice.dialects.responses.shared import (
     cancel_elsewhere,
@@ -557,6 +558,8 @@ async def _passthrough(request: Request, target: UpstreamTarget, data: dict[str,
         conversation=data,
         session=request.headers,
         key_ids=True,  # previous_response_id: to the replica that stored it
+        # A foreground stream dropped mid-answer: continued through the slot's chat.
+        resumable=ResponsesPartial if data.get("stream") and not data.get("background") else None,
     )
     return await forward(
         request, state.settings, answer, failure_frame=error_frame, render_error=error_response
