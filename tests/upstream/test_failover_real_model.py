@@ -10,6 +10,7 @@ client's SDK reads one answer, equal to the unbroken one, with one finish and us
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -83,19 +84,33 @@ class Fleet:
         raise AssertionError(f"the replicas are not healthy again: {states}")
 
 
+def gateway_over(stack: contextlib.ExitStack, urls: list[str], tmp: str, native: str = "") -> str:
+    """A sluice gateway with the replicas at ``urls`` as the slot ``fleet``; ``native``:
+    its ``native_apis`` (TOML), the dialects passed through as they are."""
+    config = Path(tmp) / f"sluice{native.count(',')}{len(native)}.toml"
+    config.write_text(
+        f'[[upstreams]]\nname = "fleet"\nurls = {json.dumps(urls)}\n'
+        + 'aliases = { "fleet-smollm2" = "smollm2" }\n'
+        "timeout = 30\n"
+        "health_interval = 60\n" + (f"native_apis = {native}\n" if native else "")
+    )
+    return stack.enter_context(serve_process("--config", str(config), *QUIET))
+
+
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[tuple[Fleet, str]]:
     with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
         replicas = Fleet(stack)
-        config = Path(tmp) / "sluice.toml"
-        config.write_text(
-            f'[[upstreams]]\nname = "fleet"\nurls = {replicas.urls!r}\n'.replace("'", '"')
-            + 'aliases = { "fleet-smollm2" = "smollm2" }\n'
-            "timeout = 30\n"
-            "health_interval = 60\n"
-        )
-        gateway = stack.enter_context(serve_process("--config", str(config), *QUIET))
-        yield replicas, gateway
+        yield replicas, gateway_over(stack, replicas.urls, tmp)
+
+
+@pytest.fixture(scope="module")
+def native(fleet: tuple[Fleet, str]) -> Iterator[str]:
+    """A second gateway over the same replicas that passes Anthropic's, OpenAI's
+    Responses and Gemini's requests through as they are (``native_apis``)."""
+    with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
+        dialects = '["anthropic", "responses", "gemini"]'
+        yield gateway_over(stack, fleet[0].urls, tmp, native=dialects)
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +126,12 @@ def unbroken(fleet: tuple[Fleet, str]) -> tuple[str, int, int]:
     )
     assert done.usage is not None and done.choices[0].message.content
     return done.choices[0].message.content, done.usage.prompt_tokens, done.usage.completion_tokens
+
+
+def serving(gateway: str) -> str:
+    """The slot header of the one request in flight (for clients that hide headers)."""
+    (flight,) = httpx.get(f"{gateway}/v1/requests", timeout=10).json()["data"]
+    return f"fleet; replica={flight['replica']}"
 
 
 def killing(replicas: Fleet, header: Callable[[], str]) -> Callable[[int], None]:
@@ -158,18 +179,13 @@ def test_the_openai_sdk_reads_one_unbroken_answer(
     assert (usage.prompt_tokens, usage.completion_tokens) == (prompt, completion)
 
 
-def test_the_anthropic_and_ollama_sdks_read_one_unbroken_answer(
-    fleet: tuple[Fleet, str], unbroken: tuple[str, int, int]
-) -> None:
-    replicas, gateway = fleet
-    text, prompt, completion = unbroken
-    replicas.revive(gateway)
-    claude = anthropic.Anthropic(base_url=gateway, api_key="x", max_retries=0)
+def claude_killed(base: str, replicas: Fleet) -> tuple[str, int, int]:
+    """The answer the anthropic SDK reads while its replica dies: its text, its whole
+    input (a continuing replica that had the question cached reads it from the cache,
+    which Anthropic counts apart from ``input_tokens``) and its output tokens."""
+    claude = anthropic.Anthropic(base_url=base, api_key="x", max_retries=0)
     with claude.messages.stream(
-        model=MODEL,
-        max_tokens=TOKENS,
-        messages=QUESTION,
-        extra_body={"temperature": 0},
+        model=MODEL, max_tokens=TOKENS, messages=QUESTION, extra_body={"temperature": 0}
     ) as stream:
         at = killing(replicas, lambda: stream.response.headers["x-sluice-slot"])
         pieces = []
@@ -177,17 +193,21 @@ def test_the_anthropic_and_ollama_sdks_read_one_unbroken_answer(
             pieces.append(piece)
             at(len(pieces))
         final = stream.get_final_message()
-    assert "".join(pieces) == text
-    assert (final.usage.input_tokens, final.usage.output_tokens) == (prompt, completion)
+    usage = final.usage
+    read = usage.cache_read_input_tokens or 0
+    return "".join(pieces), usage.input_tokens + read, usage.output_tokens
+
+
+def test_the_anthropic_and_ollama_sdks_read_one_unbroken_answer(
+    fleet: tuple[Fleet, str], unbroken: tuple[str, int, int]
+) -> None:
+    replicas, gateway = fleet
+    text, prompt, completion = unbroken
     replicas.revive(gateway)
-
-    # Ollama's client hides the headers: ask which replica serves from the requests in
-    # flight.
-    def serving() -> str:
-        (flight,) = httpx.get(f"{gateway}/v1/requests", timeout=10).json()["data"]
-        return f"fleet; replica={flight['replica']}"
-
-    at = killing(replicas, serving)
+    assert claude_killed(gateway, replicas) == (text, prompt, completion)
+    replicas.revive(gateway)
+    # Ollama's client hides the headers: the requests in flight say the replica.
+    at = killing(replicas, lambda: serving(gateway))
     parts = []
     for n, part in enumerate(
         ollama.Client(host=gateway).chat(
@@ -202,3 +222,61 @@ def test_the_anthropic_and_ollama_sdks_read_one_unbroken_answer(
         at(n)
     assert "".join(p.message.content or "" for p in parts) == text
     assert parts[-1].done and parts[-1].eval_count == completion
+
+
+def test_streams_passed_through_natively_read_one_unbroken_answer(
+    fleet: tuple[Fleet, str], native: str, unbroken: tuple[str, int, int]
+) -> None:
+    """The same through a gateway that passes each dialect through (native_apis):
+    Messages continued with Anthropic's prefill; Responses and Gemini, whose APIs have
+    none, through the replicas' OpenAI chat, written as the first stream's events."""
+    replicas, _ = fleet
+    text, prompt, completion = unbroken
+    replicas.revive(native)
+    assert claude_killed(native, replicas) == (text, prompt, completion)
+
+    replicas.revive(native)
+    client = OpenAI(base_url=f"{native}/v1", api_key="x", max_retries=0)
+    raw = client.responses.with_raw_response.create(
+        model=MODEL,
+        input=QUESTION[0]["content"],
+        max_output_tokens=TOKENS,
+        temperature=0,
+        stream=True,
+    )
+    at = killing(replicas, lambda: raw.headers["x-sluice-slot"])
+    deltas: list[str] = []
+    events = []
+    for event in raw.parse():
+        events.append(event)
+        if event.type == "response.output_text.delta":
+            deltas.append(event.delta)
+            at(len(deltas))
+    assert "".join(deltas) == text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    ended: Any = events[-1].response  # type: ignore[union-attr]
+    assert ended.output_text == text and ended.status in ("completed", "incomplete")
+    assert (ended.usage.input_tokens, ended.usage.output_tokens) == (prompt, completion)
+
+    replicas.revive(native)
+    from google import genai
+    from google.genai import types
+
+    gemini = genai.Client(
+        api_key="x", http_options=types.HttpOptions(base_url=native, api_version="v1beta")
+    )
+    config = types.GenerateContentConfig(temperature=0, max_output_tokens=TOKENS)
+    at = killing(replicas, lambda: serving(native))
+    records = []
+    for n, record in enumerate(
+        gemini.models.generate_content_stream(
+            model=MODEL, contents=QUESTION[0]["content"], config=config
+        ),
+        start=1,
+    ):
+        records.append(record)
+        at(n)
+    assert "".join(r.text or "" for r in records) == text
+    usage = records[-1].usage_metadata
+    assert usage is not None
+    assert (usage.prompt_token_count, usage.candidates_token_count) == (prompt, completion)

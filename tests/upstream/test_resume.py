@@ -302,3 +302,21 @@ def test_a_dropped_start_is_sent_by_the_continuation() -> None:
     assert ask is not None and ask.body == MESSAGES
     start = event("message_start", message={"id": "msg_2"})
     assert spliced(partial, ask, start, text_start(0)) == [start, text_start(0)]
+
+
+def test_messages_usage_moves_the_sent_tokens_out_of_fresh_input_then_cache_reads() -> None:
+    """A continuing replica that had the question cached reads it from its cache; the
+    tokens sent come out of its fresh input first, then out of its cache reads, so the
+    whole input is still the first answer's prompt."""
+    from sluice.upstream.resume import messages_usage
+
+    usage = {"input_tokens": 4, "cache_read_input_tokens": 41, "output_tokens": 150}
+    assert messages_usage(usage, 10) == {
+        "input_tokens": 0,
+        "cache_read_input_tokens": 35,
+        "output_tokens": 160,
+    }
+    assert messages_usage({"input_tokens": 50, "output_tokens": 1}, 10) == {
+        "input_tokens": 40,
+        "output_tokens": 11,
+    }

@@ -547,11 +547,18 @@ def messages_usage(usage: Mapping[str, Any], sent: int) -> dict[str, Any]:
     """A continuation's Messages usage as the whole answer's: the ``sent`` tokens are
     output, and no longer input (its prompt held them)."""
     out = dict(usage)
-    fresh, output = usage.get("input_tokens"), usage.get("output_tokens")
+    output = usage.get("output_tokens")
     if isinstance(output, int) and not isinstance(output, bool):
         out["output_tokens"] = output + sent
-    if isinstance(fresh, int) and not isinstance(fresh, bool):
-        out["input_tokens"] = fresh - min(sent, fresh)
+    # Out of its fresh input first, then (a replica that had the prompt in its cache)
+    # out of what it read from the cache.
+    left = sent
+    for name in ("input_tokens", "cache_read_input_tokens"):
+        count = usage.get(name)
+        if isinstance(count, int) and not isinstance(count, bool) and left:
+            moved = min(left, count)
+            out[name] = count - moved
+            left -= moved
     return out
 
 
