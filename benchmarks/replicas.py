@@ -16,9 +16,10 @@ whichever replica is free makes them prefill their history again. Per replica co
 * **spread**: 30 conversations sent at once (short prompts, ``max_tokens`` 8, a
   thread each): how many each replica answered.
 * **mid-stream**: a 200-token answer (temperature 0) streamed through the ``openai``
-  SDK, the ``anthropic`` SDK (``/v1/messages``, translated) and the ``ollama`` SDK
-  (``/api/chat``), the replica serving it sent SIGKILL after its tenth chunk (then
-  started again): the text read must be one of the answers the replicas gave
+  SDK, the ``anthropic`` SDK (``/v1/messages``, translated; and through a gateway with
+  ``native_apis = ["anthropic"]``, passed through to llama-server's own
+  ``/v1/messages``) and the ``ollama`` SDK (``/api/chat``), the replica serving it
+  sent SIGKILL after its tenth chunk (then started again): the text read must be one of the answers the replicas gave
   uninterrupted in the phase (each request asked twice first; llama-server's greedy
   answer varies at near ties with its batches and cache), with one finish and usage.
 
@@ -155,10 +156,12 @@ def spread(port: int, replicas: list[str], n: int = 30) -> dict[str, int]:
 MIDSTREAM_PROMPT: Any = [{"role": "user", "content": "Tell me a long story about a lighthouse."}]
 
 
-def midstream(gw: Server, replicas: list[LlamaServer], tmp: Path) -> dict[str, Any]:
-    """Per SDK: the answer read while its replica is killed after ten chunks, against
-    the same request's answer uninterrupted (each dialect samples with its own
-    defaults: the reference is the dialect's own)."""
+def midstream(
+    gw: Server, replicas: list[LlamaServer], tmp: Path, only: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """Per SDK (``only``: those SDKs): the answer read while its replica is killed after
+    ten chunks, against the same request's answer uninterrupted (each dialect samples
+    with its own defaults: the reference is the dialect's own)."""
     import anthropic
     import ollama
     import openai
@@ -239,6 +242,8 @@ def midstream(gw: Server, replicas: list[LlamaServer], tmp: Path) -> dict[str, A
         ("anthropic", with_anthropic),
         ("ollama", with_ollama),
     ):
+        if only and name not in only:
+            continue
         # Twice: llama-server's greedy answer is not always the same (its batches and
         # prompt cache change the arithmetic), so an interrupted answer is checked
         # against every uninterrupted one seen.
@@ -298,7 +303,9 @@ def restart(replicas: list[LlamaServer], url: str, tmp: Path, gw: Server) -> Non
         time.sleep(0.5)
 
 
-def gateway(tmp: Path, name: str, urls: list[str], affinity: bool) -> Server:
+def gateway(tmp: Path, name: str, urls: list[str], affinity: bool, native: bool = False) -> Server:
+    """A sluice gateway over ``urls``; ``native``: Messages passed through as they are
+    (``native_apis = ["anthropic"]``), not translated to OpenAI chat."""
     port = free_port()
     config = tmp / f"{name}.toml"
     config.write_text(
@@ -306,6 +313,7 @@ def gateway(tmp: Path, name: str, urls: list[str], affinity: bool) -> Server:
         f'name = "{name}"\nurls = {json.dumps(urls)}\nmodels = ["smollm2"]\n'
         f'aliases = {{ "{MODEL}" = "smollm2" }}\n'
         f"affinity = {'true' if affinity else 'false'}\nhealth_interval = 2\n"
+        + ('native_apis = ["anthropic"]\n' if native else "")
     )
     (tmp / "models").mkdir(exist_ok=True)
     cmd = [*SLUICE, "--threads", "1", "--log-level", "warning", "--config", str(config)]
@@ -339,6 +347,10 @@ def run_replicas(n: int, args: argparse.Namespace, binary: Path, tmp: Path) -> d
             print(f"  {n} replicas, a replica killed in mid-stream:", flush=True)
             result["midstream"] = midstream(on, replicas, tmp)
             result["gateway_info"] = on.get("/v1/info")
+        with gateway(tmp, f"native{n}", urls, affinity=True, native=True) as native:
+            print(f"  {n} replicas, Messages passed through, killed in mid-stream:", flush=True)
+            passed = midstream(native, replicas, tmp, only=("anthropic",))
+            result["midstream"]["anthropic native"] = passed["anthropic"]
         return result
     finally:
         for r in replicas:
@@ -393,7 +405,7 @@ def markdown(doc: dict[str, Any]) -> str:
         "turn s on / off",
         "killed: statuses, warm again",
         "30 at once",
-        "killed mid-stream: text as an uninterrupted answer (openai / anthropic / ollama; *: another request's)",
+        "killed mid-stream: text as an uninterrupted answer (openai / anthropic / ollama / anthropic passed through; *: another request's)",
     ]
     rows = []
     for s in doc["summary"]:
