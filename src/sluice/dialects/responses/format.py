@@ -88,7 +88,11 @@ class ResponseFields:
 
 
 @dataclass(slots=True)
-class _Item:
+class OutputItem:
+    """One item of a response's output as it is written: a message, a function call or
+    reasoning, its text so far (``pieces``); ``whole()`` is its object. (Also what
+    ``resume.py`` reads a passed-through stream's items into.)"""
+
     kind: Literal["message", "function_call", "reasoning"]
     id: str
     pieces: list[str] = field(default_factory=list)
@@ -154,9 +158,9 @@ class ResponsesFormatter:
     def __init__(self, fields: ResponseFields) -> None:
         self.fields = fields
         self.status: str = "queued" if fields.background else "in_progress"
-        self.items: list[_Item] = []
-        self._open: _Item | None = None
-        self._calls: dict[int, _Item] = {}
+        self.items: list[OutputItem] = []
+        self._open: OutputItem | None = None
+        self._calls: dict[int, OutputItem] = {}
         self.seq = 0
         self.prompt_tokens = 0
         self.cached_tokens = 0
@@ -355,15 +359,17 @@ class ResponsesFormatter:
 
     # -- items -------------------------------------------------------------------------
 
-    def _add(self, kind: Literal["message", "function_call", "reasoning"], prefix: str) -> _Item:
-        item = _Item(kind, new_id(prefix))
+    def _add(
+        self, kind: Literal["message", "function_call", "reasoning"], prefix: str
+    ) -> OutputItem:
+        item = OutputItem(kind, new_id(prefix))
         self.items.append(item)
         return item
 
-    def _index(self, item: _Item) -> int:
+    def _index(self, item: OutputItem) -> int:
         return self.items.index(item) if item is not self.items[-1] else len(self.items) - 1
 
-    def _open_item(self, item: _Item) -> list[Frame]:
+    def _open_item(self, item: OutputItem) -> list[Frame]:
         self._open = item
         return [
             self._frame(
@@ -371,7 +377,7 @@ class ResponsesFormatter:
             )
         ]
 
-    def _text(self, item: _Item, text: str) -> list[Frame]:
+    def _text(self, item: OutputItem, text: str) -> list[Frame]:
         item.pieces.append(text)
         return [
             self._frame(

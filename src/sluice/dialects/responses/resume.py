@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from sluice.core.errors import SluiceError
-from sluice.dialects.responses.format import ResponseFields, ResponsesFormatter, _Item
+from sluice.dialects.responses.format import OutputItem, ResponseFields, ResponsesFormatter
 from sluice.dialects.responses.schema import parse
 from sluice.upstream.codec import upstream_body
 from sluice.upstream.resume import ChatContinued, ChatSplice, Continuation, named_event
@@ -54,8 +54,8 @@ class ResponsesPartial(ChatContinued):
     def __init__(self) -> None:
         super().__init__(_to_chat)
         self.response: dict[str, Any] = {}  # its latest snapshot (created, in progress)
-        self.items: list[_Item] = []
-        self.open: _Item | None = None
+        self.items: list[OutputItem] = []
+        self.open: OutputItem | None = None
         self.seq = -1
 
     def add_chunk(self, data: Mapping[str, Any]) -> None:
@@ -74,7 +74,7 @@ class ResponsesPartial(ChatContinued):
             if item_type not in ("message", "reasoning") or not isinstance(item, Mapping):
                 partial.resumable = False  # a call (or a tool's item) begun
                 return
-            self.open = _Item(item_type, str(item.get("id") or ""))
+            self.open = OutputItem(item_type, str(item.get("id") or ""))
             self.items.append(self.open)
         elif kind == "response.output_text.delta" or kind in _REASONING_DELTAS:
             delta = data.get("delta")
